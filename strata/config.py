@@ -1,0 +1,272 @@
+"""Frozen configuration of an engine (model, parallel layout, cache, scheduler) and all its validation."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from strata.errors import ConfigError
+from strata.models import registry
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+class HFConfig:
+    """Attribute access over a config.json dict; nested `*_config` dicts become HFConfig too."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = dict(values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            value = self.__dict__["_values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+        return HFConfig(value) if isinstance(value, dict) and name.endswith("_config") else value
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self, name) if name in self._values else default
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._values
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+def parse_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}", param="dtype")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but no CUDA device is available", param="device")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"device {device!r} must be auto, cpu or cuda", param="device")
+    return torch.device(device)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    hf_config: HFConfig
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    quantization: str | None = None
+
+    @property
+    def text_config(self) -> HFConfig:
+        """The language model's config: `text_config` of multimodal checkpoints, else the top level."""
+        return self.hf_config.get("text_config") or self.hf_config
+
+    @property
+    def info(self) -> registry.ModelInfo:
+        return registry.lookup(self.architecture)
+
+    @property
+    def text_info(self) -> registry.ModelInfo:
+        return registry.text_model_info(self.architecture)
+
+    @property
+    def num_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = self.hf_config.get("eos_token_id", self.text_config.get("eos_token_id"))
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, list) else {eos}
+
+    @classmethod
+    def from_path(cls, path: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
+                  quantization: str | None = None) -> ModelConfig:
+        folder = Path(path)
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"model {path!r} is not a folder with a config.json "
+                              "(strata loads local Hugging Face checkpoints; nothing is downloaded)",
+                              param="model")
+        hf = HFConfig(json.loads((folder / "config.json").read_text()))
+        architectures = hf.get("architectures") or []
+        architecture = architectures[0] if architectures else None
+        registry.lookup(architecture)
+        text = hf.get("text_config") or hf
+        checkpoint_dtype = hf.get("torch_dtype", hf.get("dtype", text.get("torch_dtype", text.get("dtype"))))
+        derived_len = text.get("max_position_embeddings", 2048)
+        if max_model_len is None:
+            max_model_len = derived_len
+        elif max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {max_model_len}", param="max_model_len")
+        elif max_model_len > derived_len:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                           max_model_len, derived_len)
+        return cls(str(folder), hf, architecture, parse_dtype(dtype, checkpoint_dtype), max_model_len,
+                   quantization)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes per rank; None = a safe share of free memory
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    mamba_ssm_cache_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"
+    seed: int = 0
+    served_model_names: tuple[str, ...] = ()
+    chat_template: str | None = None
+
+    @classmethod
+    def create(cls, model: str, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+               dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
+               max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
+               gpu_memory_utilization: float = 0.9, quantization: str | None = None, seed: int = 0,
+               device: str = "auto", enable_prefix_caching: bool | None = None, block_size: int = 16,
+               served_model_name: str | list[str] | None = None, chat_template: str | None = None,
+               **parallel_options: Any) -> EngineConfig:
+        model_config = ModelConfig.from_path(model, dtype, max_model_len, quantization)
+        parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, **parallel_options)
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}", param="max_num_seqs")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_num_seqs)
+        if max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}",
+                              param="max_num_batched_tokens")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}",
+                              param="gpu_memory_utilization")
+        if kv_cache_memory is not None and kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory}",
+                              param="kv_cache_memory")
+        if quantization not in (None, "experts_int8"):
+            raise ConfigError(f"quantization {quantization!r} is not supported (supported: experts_int8)",
+                              param="quantization")
+        hybrid = model_config.text_info.is_hybrid
+        if enable_prefix_caching is None:
+            enable_prefix_caching = not hybrid
+        elif enable_prefix_caching and hybrid:
+            logger.info("prefix caching is off for hybrid models (their recurrent state is not snapshotted)")
+            enable_prefix_caching = False
+        cache = CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching)
+        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len)
+        if isinstance(served_model_name, str):
+            served_model_name = [served_model_name]
+        names = tuple(served_model_name or [model])
+        config = cls(model_config, parallel, cache, scheduler, device, seed, names, chat_template)
+        validate_parallel(config)
+        return config
+
+
+def validate_parallel(config: EngineConfig) -> None:
+    """Refuse layouts that cannot work, naming the field, its value and the sizes that would."""
+    par, text = config.parallel, config.model.text_config
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
+    info = config.model.text_info
+    if tp > 1 and not info.supports_tp:
+        raise ConfigError(f"{config.model.architecture} does not support tensor parallelism; "
+                          "use tensor_parallel_size=1", param="tensor_parallel_size")
+    if pp > 1 and not info.supports_pp:
+        raise ConfigError(f"{config.model.architecture} does not support pipeline parallelism; "
+                          "use pipeline_parallel_size=1", param="pipeline_parallel_size")
+    if tp > 1:
+        _check_divides(tp, "num_attention_heads", text.get("num_attention_heads"))
+        _check_divides(tp, "intermediate_size", text.get("intermediate_size"))
+        _check_kv_heads(tp, text.get("num_key_value_heads", text.get("num_attention_heads")))
+    num_layers = text.num_hidden_layers
+    if pp > num_layers:
+        raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {num_layers} layers; "
+                          f"use at most {num_layers}", param="pipeline_parallel_size")
+    if par.pp_layer_partition is not None:
+        part = par.pp_layer_partition
+        if len(part) != pp or sum(part) != num_layers or min(part) < 1:
+            raise ConfigError(f"pp_layer_partition {','.join(map(str, part))} must have {pp} positive "
+                              f"entries (one per stage) that sum to {num_layers} layers",
+                              param="pp_layer_partition")
+    _check_devices(config, tp * pp)
+
+
+def _check_divides(tp: int, name: str, size: int | None) -> None:
+    if size is not None and size % tp:
+        works = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+        raise ConfigError(f"tensor_parallel_size={tp} must divide {name}={size}; sizes that work: "
+                          f"{', '.join(map(str, works))}", param="tensor_parallel_size")
+
+
+def _check_kv_heads(tp: int, kv_heads: int | None) -> None:
+    if kv_heads is None or kv_heads % tp == 0 or tp % kv_heads == 0:
+        return
+    raise ConfigError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} or be a "
+                      f"multiple of it (KV heads are then replicated)", param="tensor_parallel_size")
+
+
+def _check_devices(config: EngineConfig, world_size: int) -> None:
+    if resolve_device(config.device).type != "cuda" or config.parallel.nnodes > 1:
+        return
+    available = torch.cuda.device_count()
+    if world_size > available:
+        raise ConfigError(f"tensor_parallel_size x pipeline_parallel_size = {world_size} workers need "
+                          f"{world_size} GPUs but {available} are visible", param="tensor_parallel_size")
+
+
+def default_cpu_kv_cache_bytes(num_local_ranks: int) -> int:
+    """A safe share of the machine's free memory for the KV cache of one rank."""
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        pages = 8 << 30
+    return int(min(pages * 0.25, 8 << 30) // max(1, num_local_ranks))

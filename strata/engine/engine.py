@@ -1,0 +1,170 @@
+"""Engine: add_request / abort_request / step over the scheduler and an executor."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from strata.config import EngineConfig
+from strata.engine.kv_cache import KVCacheManager
+from strata.engine.output_processor import RequestGroup, SequenceState, TokenTextCache
+from strata.engine.request import Request, RequestStatus
+from strata.engine.scheduler import Scheduler
+from strata.engine.state_cache import SlotPool
+from strata.errors import RequestError
+from strata.executor.executor import create_executor
+from strata.executor.model_runner import RunnerOutput
+from strata.outputs import Logprob, RequestOutput
+from strata.sampling_params import SamplingParams
+from strata.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.path)
+        self.executor = create_executor(config)
+        kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
+                            config.cache.enable_prefix_caching)
+        slots = SlotPool(config.scheduler.max_num_seqs) if config.model.text_info.is_hybrid else None
+        self.scheduler = Scheduler(config.scheduler, kv, slots)
+        self.groups: dict[str, RequestGroup] = {}
+        self.sequence_of: dict[str, tuple[RequestGroup, SequenceState]] = {}
+        self.in_flight: deque = deque()
+        self.token_text = TokenTextCache(self.tokenizer)
+        self.stop_token_ids = set(config.model.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.stop_token_ids.add(self.tokenizer.eos_token_id)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int], Any]:
+        mm = None
+        if isinstance(prompt, dict):
+            mm = prompt.get("multi_modal_data")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), mm
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids, mm
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt), mm
+        raise RequestError("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                           "'prompt_token_ids'", param="prompt")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(token_ids)} tokens (at least one token must be left to generate)", param="prompt")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.groups:
+            raise RequestError(f"request id {request_id!r} is already running", param="request_id")
+        text, token_ids, mm = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        params = params.clone()
+        params.all_stop_token_ids = set(self.stop_token_ids)
+        group = RequestGroup(request_id, text, token_ids, params, self.tokenizer)
+        self.groups[request_id] = group
+        for seq in group.sequences:
+            self.sequence_of[seq.request_id] = (group, seq)
+            self.scheduler.add(Request(seq.request_id, token_ids, group.child_params(seq.index),
+                                       self.max_model_len, arrival_time, mm))
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.sequences:
+            self.sequence_of.pop(seq.request_id, None)
+            self.scheduler.abort(seq.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups) or bool(self.in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch (keeping up to the executor's limit in flight); returns updated requests."""
+        while len(self.in_flight) < self.executor.max_concurrent_batches:
+            sched = self.scheduler.schedule()
+            if sched.empty:
+                self.scheduler.restore_finished(sched)
+                break
+            self.in_flight.append((sched, self.executor.submit(sched)))
+        if not self.in_flight:
+            return []
+        sched, handle = self.in_flight.popleft()
+        result: RunnerOutput = self.executor.collect(handle)
+        self.stats["steps"] += 1
+        changed = self.scheduler.update(sched, result.sampled)
+        touched: dict[str, RequestGroup] = {}
+        for request in changed:
+            self._apply_token(request, result, touched)
+        for request_id, entries in result.prompt_logprobs.items():
+            self._apply_prompt_logprobs(request_id, entries, touched)
+        self.stats["prompt_tokens"] += sched.num_tokens - len(changed)
+        return self._collect_outputs(touched)
+
+    def _apply_token(self, request: Request, result: RunnerOutput, touched: dict) -> None:
+        found = self.sequence_of.get(request.request_id)
+        if found is None:
+            return
+        group, seq = found
+        token = request.token_ids[-1]
+        self.stats["generation_tokens"] += 1
+        seq.token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+            group.num_cached_tokens = max(request.num_cached_tokens, 0)
+        if seq.logprobs is not None and request.request_id in result.logprobs:
+            top_ids, top_lps, token_lp, rank = result.logprobs[request.request_id]
+            seq.logprobs.append(self.token_text.position(top_ids, top_lps, token, token_lp, rank))
+            seq.cumulative_logprob += token_lp
+        stop = seq.detokenizer.add(token)
+        if stop is not None and not request.finished:
+            request.stop_reason = stop
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        if request.finished:
+            seq.finish_reason, seq.stop_reason = request.status.value, request.stop_reason
+        touched[group.request_id] = group
+
+    def _apply_prompt_logprobs(self, request_id: str, entries: list, touched: dict) -> None:
+        found = self.sequence_of.get(request_id)
+        if found is None or found[1].index != 0 or found[0].prompt_logprobs is None:
+            return
+        group = found[0]
+        for position, token_lp, rank, top_ids, top_lps in entries:
+            token = group.prompt_token_ids[position]
+            group.prompt_logprobs[position] = self.token_text.position(top_ids, top_lps, token, token_lp, rank)
+        touched[group.request_id] = group
+
+    def _collect_outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
+        outputs = []
+        for group in touched.values():
+            outputs.append(group.output())
+            if group.finished:
+                self.groups.pop(group.request_id, None)
+                for seq in group.sequences:
+                    self.sequence_of.pop(seq.request_id, None)
+        return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+__all__ = ["Engine", "Logprob"]

@@ -1,0 +1,82 @@
+"""Per-request output state: detokenization, stop strings, logprobs and n > 1 fan-out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from strata.sampling_params import SamplingParams
+from strata.tokenizer import IncrementalDetokenizer
+
+
+class TokenTextCache:
+    """Decoded text of single token ids, for logprobs (the vocabulary is fixed, so this is bounded)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def position(self, top_ids: list[int], top_lps: list[float], token: int, token_lp: float,
+                 token_rank: int) -> PositionLogprobs:
+        entry = {t: Logprob(lp, r + 1, self(t)) for r, (t, lp) in enumerate(zip(top_ids, top_lps, strict=True))}
+        if token not in entry:
+            entry[token] = Logprob(token_lp, token_rank, self(token))
+        else:
+            entry = {token: entry.pop(token), **entry}
+        return entry
+
+
+@dataclass
+class SequenceState:
+    request_id: str  # the scheduler's id of this sample
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class RequestGroup:
+    """One user request: its prompt and its n samples, each a separate scheduler request."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer: Any) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.params = params
+        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.sequences = [
+            SequenceState(rid, i, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
+                                                         params.include_stop_str_in_output,
+                                                         params.skip_special_tokens),
+                          logprobs=[] if params.logprobs is not None else None)
+            for i, rid in enumerate(ids)]
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] + [{}] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None)
+        self.num_cached_tokens = 0
+
+    def child_params(self, index: int) -> SamplingParams:
+        if self.params.n == 1:
+            return self.params
+        seed = None if self.params.seed is None else self.params.seed + index
+        return self.params.clone(n=1, seed=seed)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    def output(self) -> RequestOutput:
+        finished = self.finished
+        outputs = [CompletionOutput(s.index, s.detokenizer.visible_text(s.finish_reason is not None),
+                                    list(s.token_ids), s.logprobs, s.finish_reason, s.stop_reason,
+                                    s.cumulative_logprob if s.logprobs is not None else None)
+                   for s in self.sequences]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
+                             self.prompt_logprobs, self.num_cached_tokens)

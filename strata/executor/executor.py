@@ -1,0 +1,73 @@
+"""Executors run a step on every rank: UniprocExecutor in this process (TP=PP=1)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from strata.config import EngineConfig, default_cpu_kv_cache_bytes, resolve_device
+from strata.engine.scheduler import SchedulerOutput
+from strata.errors import ConfigError
+from strata.executor.model_runner import ModelRunner, RunnerOutput
+from strata.executor.parallel import ParallelContext
+
+logger = logging.getLogger(__name__)
+
+
+def kv_cache_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device,
+                    num_local_ranks: int = 1) -> int:
+    """How many KV blocks this rank gets: from kv_cache_memory, or a share of free (GPU) memory."""
+    sched, bs = config.scheduler, config.cache.block_size
+    # Never more than every sequence at full length could use.
+    useful = config.scheduler.max_num_seqs * (-(-sched.max_model_len // bs) + 1)
+    if bytes_per_block == 0:
+        return useful
+    budget = config.cache.kv_cache_memory
+    if budget is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Keep a margin for activations and logits of the largest step.
+        budget = int(total * config.cache.gpu_memory_utilization - (total - free) - 0.05 * total)
+    elif budget is None:
+        budget = default_cpu_kv_cache_bytes(num_local_ranks)
+    num_blocks = min(budget // bytes_per_block, useful)
+    needed = -(-sched.max_model_len // bs)
+    if num_blocks < needed:
+        raise ConfigError(
+            f"the KV cache holds {num_blocks * bs} tokens ({budget / 2**20:.1f} MiB), fewer than one "
+            f"sequence of max_model_len={sched.max_model_len}; lower --max-model-len or raise "
+            f"--kv-cache-memory / --gpu-memory-utilization", param="max_model_len")
+    return int(num_blocks)
+
+
+class UniprocExecutor:
+    """Runs the whole model in the calling process."""
+
+    max_concurrent_batches = 1
+
+    def __init__(self, config: EngineConfig) -> None:
+        device = resolve_device(config.device)
+        self.runner = ModelRunner(config, ParallelContext(), device)
+        self.num_kv_blocks = kv_cache_blocks(config, self.runner.kv_bytes_per_block(), device)
+        self.runner.allocate_kv_cache(self.num_kv_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_kv_blocks,
+                    config.cache.block_size, self.num_kv_blocks * self.runner.kv_bytes_per_block() / 2**20)
+
+    def submit(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(out)
+
+    def collect(self, handle: RunnerOutput) -> RunnerOutput:
+        return handle
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def create_executor(config: EngineConfig):
+    if config.parallel.world_size == 1 and config.parallel.nnodes == 1:
+        return UniprocExecutor(config)
+    from strata.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config)

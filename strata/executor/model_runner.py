@@ -1,0 +1,193 @@
+"""Step description -> flat tensors -> model forward -> sampled tokens, on one rank.
+
+The runner keeps per-request sampling state (generator, tokens so far) for the requests it has seen,
+so each step's SchedulerOutput only carries what changed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from strata.config import EngineConfig
+from strata.engine.scheduler import ScheduledRequest, SchedulerOutput
+from strata.executor.parallel import ParallelContext
+from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
+from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
+from strata.models import loader
+from strata.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardMeta:
+    """Everything a model's layers need about the batch besides token ids and positions."""
+
+    attn: AttentionMetadata
+    state_slots: torch.Tensor | None = None  # Mamba: state slot of each sequence
+    query_start_loc: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
+    mm_inputs: list = field(default_factory=list)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, tuple[list[int], list[float], float, int]] = field(default_factory=dict)
+    # request id -> [(prompt position, token logprob, rank, top ids, top logprobs)]
+    prompt_logprobs: dict[str, list[tuple[int, float, int, list[int], list[float]]]] = field(default_factory=dict)
+
+
+@dataclass
+class RequestState:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    mm_inputs: object = None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, pc: ParallelContext, device: torch.device) -> None:
+        self.config, self.pc, self.device = config, pc, device
+        self.block_size = config.cache.block_size
+        self.states: dict[str, RequestState] = {}
+        started = time.monotonic()
+        model_cls = config.model.info.load_class()
+        with torch.device(device):
+            self.model = model_cls(config.model, pc, config.parallel.pp_layer_partition)
+        self.model.load_weights(loader.iterate_weights(
+            config.model.path, lambda name: loader.is_pp_missing(name, self.model.missing_prefixes)))
+        self.model.eval()
+        logger.info("%s loaded %s (%.1f MB of weights on this rank) in %.1f s", pc.log_prefix,
+                    config.model.architecture, self.weight_bytes / 2**20, time.monotonic() - started)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    @property
+    def weight_bytes(self) -> int:
+        seen = {}
+        for p in self.model.parameters():
+            seen[p.data_ptr()] = p.numel() * p.element_size()
+        return sum(seen.values())
+
+    def kv_bytes_per_block(self) -> int:
+        size = torch.empty((), dtype=self.config.model.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * size for a in self.attention_layers)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        for layer in self.attention_layers:
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for request_id in out.finished_request_ids:
+            self.states.pop(request_id, None)
+        for s in out.requests:
+            if s.new is not None:
+                generator = None
+                if s.new.sampling_params.seed is not None:
+                    generator = torch.Generator(device=self.device)
+                    generator.manual_seed(s.new.sampling_params.seed)
+                self.states[s.request_id] = RequestState(s.new.sampling_params, generator,
+                                                         list(s.new.prompt_token_ids), [], s.new.mm_inputs)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, intermediate: dict[str, torch.Tensor] | None = None
+                ) -> RunnerOutput | dict[str, torch.Tensor]:
+        self._update_states(out)
+        if not out.requests:
+            return RunnerOutput()
+        requests = sorted(out.requests, key=lambda s: len(s.token_ids) != 1)  # decodes first
+        input_ids, positions, meta = self._prepare(requests)
+        hidden = self.model(input_ids, positions, meta, intermediate)
+        if not self.pc.is_last_stage:
+            return hidden
+        return self._sample(requests, hidden)
+
+    def _prepare(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:
+        bs, dev = self.block_size, self.device
+        lens = np.array([len(s.token_ids) for s in requests])
+        starts = np.array([s.num_computed_tokens for s in requests])
+        positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens, strict=True)])
+        seq_index = np.repeat(np.arange(len(requests)), lens)
+        width = max(len(s.block_ids) for s in requests)
+        tables = np.zeros((len(requests), width), dtype=np.int64)
+        for i, s in enumerate(requests):
+            tables[i, : len(s.block_ids)] = s.block_ids
+        slots = tables[seq_index, positions // bs] * bs + positions % bs
+        num_decodes = int((lens == 1).sum())
+        query_start = np.concatenate([[0], np.cumsum(lens)])
+        prefills = []
+        for i in range(num_decodes, len(requests)):
+            context = None
+            if starts[i] > 0:
+                p = np.arange(starts[i] + lens[i])
+                context = torch.from_numpy(tables[i, p // bs] * bs + p % bs).to(dev)
+            prefills.append(PrefillChunk(int(query_start[i]), int(query_start[i + 1]), int(starts[i]), context))
+        decode_seq_lens = starts[:num_decodes] + 1
+        decode_width = -(-int(decode_seq_lens.max()) // bs) if num_decodes else 0
+        attn = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            num_decodes=num_decodes,
+            decode_block_tables=torch.from_numpy(tables[:num_decodes, :decode_width]).to(dev),
+            decode_seq_lens=torch.from_numpy(decode_seq_lens).to(dev),
+            prefills=prefills,
+            block_size=bs,
+        )
+        input_ids = torch.tensor([t for s in requests for t in s.token_ids], dtype=torch.long, device=dev)
+        meta = ForwardMeta(
+            attn,
+            state_slots=torch.tensor([s.state_slot for s in requests], dtype=torch.long, device=dev),
+            query_start_loc=torch.from_numpy(query_start).to(dev),
+            has_initial_state=torch.from_numpy(starts > 0).to(dev),
+            mm_inputs=[self.states[s.request_id].mm_inputs if s.request_id in self.states else None
+                       for s in requests],
+        )
+        return input_ids, torch.from_numpy(positions).to(dev), meta
+
+    def _sample(self, requests: list[ScheduledRequest], hidden: torch.Tensor) -> RunnerOutput:
+        result = RunnerOutput()
+        ends = np.cumsum([len(s.token_ids) for s in requests])
+        sampling = [i for i, s in enumerate(requests) if s.sample]
+        if sampling:
+            rows_index = torch.tensor([int(ends[i]) - 1 for i in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[rows_index])
+            rows = []
+            for i in sampling:
+                state = self.states[requests[i].request_id]
+                rows.append(SamplingRow(state.params, state.generator, state.prompt_token_ids,
+                                        state.output_token_ids))
+            sampled = self.sampler(logits, rows)
+            for j, i in enumerate(sampling):
+                request_id = requests[i].request_id
+                result.sampled[request_id] = sampled.token_ids[j]
+                self.states[request_id].output_token_ids.append(sampled.token_ids[j])
+                if sampled.logprobs[j] is not None:
+                    result.logprobs[request_id] = sampled.logprobs[j]
+        self._prompt_logprobs(requests, hidden, ends, result)
+        return result
+
+    def _prompt_logprobs(self, requests: list[ScheduledRequest], hidden: torch.Tensor, ends: np.ndarray,
+                         result: RunnerOutput) -> None:
+        for i, s in enumerate(requests):
+            state = self.states[s.request_id]
+            k = state.params.prompt_logprobs
+            num_prompt = len(state.prompt_token_ids)
+            first, last = s.num_computed_tokens, min(s.num_computed_tokens + len(s.token_ids), num_prompt - 1)
+            if k is None or first >= last:
+                continue
+            offset = int(ends[i]) - len(s.token_ids)
+            logits = self.model.compute_logits(hidden[offset:offset + last - first]).float()
+            targets = torch.tensor(state.prompt_token_ids[first + 1:last + 1], device=self.device)
+            ids, lps, target_lp, rank = top_logprobs(logits.log_softmax(-1), targets, k)
+            ids, lps, target_lp, rank = ids.tolist(), lps.tolist(), target_lp.tolist(), rank.tolist()
+            result.prompt_logprobs[s.request_id] = [
+                (first + 1 + j, target_lp[j], rank[j], ids[j], lps[j]) for j in range(last - first)]

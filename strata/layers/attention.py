@@ -1,0 +1,119 @@
+"""Paged attention: K/V are written into fixed-size blocks and read back through block tables.
+
+The runner orders each step's sequences decodes first (one query token each), then prefill chunks.
+Decodes are attended in one batched call over their gathered blocks; each prefill chunk is attended
+on its own, straight from this step's K/V when it has no earlier context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int
+    query_end: int
+    num_computed: int  # tokens of this sequence already in the cache before this step
+    context_slots: torch.Tensor | None  # cache slots of all its tokens, when num_computed > 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed + self.query_end - self.query_start
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each token of this step
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor  # [num_decodes] context length including this step's token
+    prefills: list[PrefillChunk]
+    block_size: int
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, L] keys each decode token may see (L = padded context)."""
+        key = ("decode", window, chunk)
+        if key not in self._masks:
+            length = self.decode_block_tables.shape[1] * self.block_size
+            keys = torch.arange(length, device=self.decode_seq_lens.device)
+            q_pos = (self.decode_seq_lens - 1).unsqueeze(1)
+            self._masks[key] = _allowed(q_pos, keys.unsqueeze(0), window, chunk)[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, index: int, window: int | None, chunk: int | None) -> torch.Tensor:
+        key = ("prefill", index, window, chunk)
+        if key not in self._masks:
+            p = self.prefills[index]
+            device = self.slot_mapping.device
+            q_pos = torch.arange(p.num_computed, p.seq_len, device=device).unsqueeze(1)
+            keys = torch.arange(p.seq_len, device=device).unsqueeze(0)
+            self._masks[key] = _allowed(q_pos, keys, window, chunk)
+        return self._masks[key]
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    ok = k_pos <= q_pos
+    if window is not None:
+        ok &= q_pos - k_pos < window
+    if chunk is not None:
+        ok &= (k_pos // chunk) == (q_pos // chunk)
+    return ok
+
+
+class Attention(nn.Module):
+    """Multi-head attention over a paged cache of shape [num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, chunk_size: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.sliding_window, self.chunk_size = scale, sliding_window, chunk_size
+        self.k_cache: torch.Tensor | None = None  # bound by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)
+        for i, p in enumerate(meta.prefills):
+            out[p.query_start:p.query_end] = self._prefill(q, k, v, i, meta, flat_k, flat_v)
+        return out.view(q.shape[0], -1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool = False) -> torch.Tensor:
+        """q: [B, Hq, Q, D], k/v: [B, Hkv, K, D]."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b, length = meta.decode_block_tables.shape[0], meta.decode_block_tables.shape[1] * meta.block_size
+        k = self.k_cache[meta.decode_block_tables].view(b, length, self.num_kv_heads, self.head_dim)
+        v = self.v_cache[meta.decode_block_tables].view(b, length, self.num_kv_heads, self.head_dim)
+        mask = meta.decode_mask(self.sliding_window, self.chunk_size)
+        out = self._attend(q.unsqueeze(2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), mask)
+        return out.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int,
+                 meta: AttentionMetadata, flat_k: torch.Tensor, flat_v: torch.Tensor) -> torch.Tensor:
+        p = meta.prefills[index]
+        q_seq = q[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
+        if p.num_computed == 0:
+            k_seq, v_seq = k[p.query_start:p.query_end], v[p.query_start:p.query_end]
+        else:
+            k_seq, v_seq = flat_k[p.context_slots].to(q.dtype), flat_v[p.context_slots].to(q.dtype)
+        k_seq, v_seq = k_seq.transpose(0, 1).unsqueeze(0), v_seq.transpose(0, 1).unsqueeze(0)
+        plain = p.num_computed == 0 and self.sliding_window is None and self.chunk_size is None
+        mask = None if plain else meta.prefill_mask(index, self.sliding_window, self.chunk_size)
+        out = self._attend(q_seq, k_seq, v_seq, mask, causal=plain)
+        return out.squeeze(0).transpose(0, 1)

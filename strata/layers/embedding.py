@@ -1,0 +1,53 @@
+"""Vocabulary-parallel embedding and LM head: the vocabulary is padded to a multiple of 64 and split."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.executor.parallel import ParallelContext
+from strata.layers.linear import _copy_checked
+
+VOCAB_PADDING = 64
+
+
+def pad_vocab(vocab_size: int, multiple: int = VOCAB_PADDING) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, pc: ParallelContext,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.pc, self.vocab_size = pc, vocab_size
+        padded = pad_vocab(vocab_size) if pc.tp_size > 1 else vocab_size
+        self.rows_per_rank = padded // pc.tp_size
+        self.start = pc.tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"shape mismatch: expected {self.vocab_size} vocabulary rows, "
+                             f"checkpoint has {tuple(loaded.shape)}")
+        rows = loaded[self.start:self.start + self.rows_per_rank]
+        param.data.zero_()  # padding rows stay zero
+        _copy_checked(param.data[: rows.shape[0]], rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.pc.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.pc.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits; each rank holds a vocabulary slice, the slices are gathered."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.pc.all_gather(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]  # padding columns are never sampled

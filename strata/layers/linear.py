@@ -1,0 +1,148 @@
+"""Linear layers that own their tensor-parallel sharding; with tp_size=1 they are plain linears.
+
+Each parameter has a `weight_loader(param, full_checkpoint_tensor, shard_id=None)` that keeps this
+rank's slice, so the model loader never needs to know how a layer is split.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.executor.parallel import ParallelContext
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch{(' for ' + name) if name else ''}: "
+                         f"expected {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    _copy_checked(param, loaded)
+
+
+def shard_dim(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's contiguous slice of `tensor` along `dim` (the full size must divide evenly)."""
+    if size == 1:
+        return tensor
+    full = tensor.shape[dim]
+    if full % size:
+        raise ValueError(f"dimension {dim} of size {full} does not split into {size} shards")
+    step = full // size
+    return tensor.narrow(dim, rank * step, step)
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = _param((out_features, in_features), dtype, default_weight_loader)
+        self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across TP ranks; the output stays split unless `gather_output`."""
+
+    def __init__(self, in_features: int, out_features: int, pc: ParallelContext, bias: bool = False,
+                 gather_output: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if out_features % pc.tp_size:
+            raise ValueError(f"out_features {out_features} is not divisible by tp_size {pc.tp_size}")
+        self.pc, self.gather_output = pc, gather_output
+        self.out_per_rank = out_features // pc.tp_size
+        self.weight = _param((self.out_per_rank, in_features), dtype, self.weight_loader)
+        self.bias = _param((self.out_per_rank,), dtype, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        _copy_checked(param, shard_dim(loaded, 0, self.pc.tp_rank, self.pc.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.pc.all_gather(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel weights in one (e.g. gate and up); each piece is split on its own."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], pc: ParallelContext, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), pc, bias, dtype=dtype)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is None:  # an already fused checkpoint tensor: split every piece
+            for i, piece in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, piece, i)
+            return
+        tp = self.pc.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        _copy_checked(param.data.narrow(0, offset, size), shard_dim(loaded, 0, self.pc.tp_rank, tp))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; KV heads are replicated when there are fewer of them than TP ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 pc: ParallelContext, bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        tp = pc.tp_size
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out, pc, bias, dtype=dtype)
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """Per-rank output widths of q, k and v."""
+        kv = self.num_kv_heads * self.head_dim
+        return self.num_heads * self.head_dim, kv, kv
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        q, kv, _ = self.sizes
+        if shard_id == "q":
+            offset, size, rank = 0, q, self.pc.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = q if shard_id == "k" else q + kv
+            size, rank = kv, self.pc.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        piece = loaded.narrow(0, rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), piece)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split(self.sizes, dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across TP ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, pc: ParallelContext, bias: bool = False,
+                 reduce_results: bool = True, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if in_features % pc.tp_size:
+            raise ValueError(f"in_features {in_features} is not divisible by tp_size {pc.tp_size}")
+        self.pc, self.reduce_results = pc, reduce_results
+        self.weight = _param((out_features, in_features // pc.tp_size), dtype, self.weight_loader)
+        self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        _copy_checked(param, shard_dim(loaded, 1, self.pc.tp_rank, self.pc.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added on one rank only, so the all-reduce counts it once.
+        bias = self.bias if self.pc.tp_rank == 0 else None
+        y = F.linear(x, self.weight, bias)
+        return self.pc.all_reduce(y) if self.reduce_results else y

@@ -1,0 +1,68 @@
+"""Rotary position embeddings (half-split "neox" and interleaved-pair styles), with llama3 scaling."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from strata.errors import UnsupportedModelError
+
+
+def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(base, scaling dict or None) from either `rope_parameters` (new) or `rope_theta`/`rope_scaling`."""
+    params = config.get("rope_parameters")
+    if params:
+        base = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default"))
+        return base, (dict(params) if kind != "default" else None)
+    scaling = config.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return config.get("rope_theta", 10000.0), scaling
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None = None,
+                 interleaved: bool = False) -> None:
+        super().__init__()
+        self.head_dim, self.interleaved = head_dim, interleaved
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind != "llama3":
+                raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: llama3)",
+                                            param="rope_scaling")
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

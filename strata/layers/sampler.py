@@ -1,0 +1,137 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+Random rows draw with the exponential-race trick (argmax of probs / Exp(1) noise), so a seeded
+request only consumes its own generator and gets the same tokens whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample: its parameters, generator and tokens so far (for penalties)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row, when logprobs were asked: (top ids, top logprobs, sampled logprob, sampled rank).
+    logprobs: list[tuple[list[int], list[float], float, int] | None]
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k ids and logprobs of each row, and each chosen token's logprob and 1-based rank."""
+    chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    rank = (logprobs > chosen_lp.unsqueeze(-1)).sum(-1) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], chosen[:, None][:, :0])
+    return top_ids, top_lp, chosen_lp, rank
+
+
+class Sampler:
+    def __init__(self, default_generator: torch.Generator) -> None:
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
+        want_logprobs = [r.params.logprobs for r in rows]
+        raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in want_logprobs) else None
+        if any(r.params.needs_penalties for r in rows):
+            logits = apply_penalties(logits, rows)
+        logits = mask_stop_tokens_before_min(logits, rows)
+        if all(r.params.greedy for r in rows):
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self._sample(logits, rows)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, [None] * len(rows))
+        k = max(x or 0 for x in want_logprobs)
+        top_ids, top_lp, chosen_lp, rank = (t.tolist() for t in top_logprobs(raw_logprobs, tokens, k))
+        logprobs = [None if want is None else (top_ids[i][:want], top_lp[i][:want], chosen_lp[i], rank[i])
+                    for i, want in enumerate(want_logprobs)]
+        return SamplerOutput(token_list, logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=device)
+        logits = logits / temperature.unsqueeze(1)
+        logits = apply_top_k_top_p(logits, rows)
+        probs = logits.softmax(-1)
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+            cutoff = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < cutoff, 0.0)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.default_generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator)
+        sampled = (probs / noise).argmax(-1)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM's semantics: repetition over prompt and output; presence and frequency over the output."""
+    vocab = logits.shape[1]
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.needs_penalties:
+            continue
+        out_ids = torch.tensor([t for t in row.output_token_ids if t < vocab], dtype=torch.long,
+                               device=logits.device)
+        counts = torch.zeros(vocab, device=logits.device).index_add_(0, out_ids, torch.ones_like(out_ids,
+                                                                                                dtype=torch.float))
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt_ids = torch.tensor([t for t in row.prompt_token_ids if t < vocab], dtype=torch.long,
+                                      device=logits.device)
+            seen[prompt_ids] = True
+            row_logits = logits[i]
+            penalized = torch.where(row_logits > 0, row_logits / p.repetition_penalty,
+                                    row_logits * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, row_logits)
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def mask_stop_tokens_before_min(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Before min_tokens are generated, EOS and stop_token_ids cannot be sampled."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) < p.min_tokens:
+            banned = [t for t in (*p.all_stop_token_ids, *p.stop_token_ids) if t < logits.shape[1]]
+            if banned:
+                logits[i, banned] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    use_k = any(r.params.top_k > 0 for r in rows)
+    use_p = any(r.params.top_p < 1.0 for r in rows)
+    if not (use_k or use_p):
+        return logits
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(-1, descending=True)
+    if use_k:
+        k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+    if use_p:
+        top_p = torch.tensor([r.params.top_p for r in rows], device=logits.device)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of strictly better tokens; the best always stays
+        sorted_logits = sorted_logits.masked_fill(before > top_p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,93 @@
+"""Tokenizer loading, chat templates, incremental detokenization and stop strings."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from strata.errors import ConfigError, RequestError
+
+logger = logging.getLogger(__name__)
+
+# Prompt tokens decoded before the first generated one, so that word boundaries come out right.
+_CONTEXT_TOKENS = 5
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot load"
+        raise ConfigError(f"cannot load the tokenizer from {path!r}: {e}", param="model") from e
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template takes a file path or the template text itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    return value
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None = None,
+                        add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise RequestError("the model has no chat template; pass one with --chat-template "
+                           "(or chat_template=...)", param="messages")
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja errors surface as many types
+        raise RequestError(f"cannot apply the chat template to these messages: {e}", param="messages") from e
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text one token at a time, handling stop strings.
+
+    Text is only emitted once a token decodes to complete characters; with stop strings, the last
+    few characters are held back from streaming until they cannot start a stop string.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids[-(_CONTEXT_TOKENS + 1):])
+        self.prefix_offset = max(len(self.ids) - _CONTEXT_TOKENS, 0)
+        self.read_offset = len(self.ids)
+        self.stop, self.include_stop = stop, include_stop
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        self.holdback = max((len(s) for s in stop), default=1) - 1 if not include_stop else 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str | None:
+        """Append one token; returns the stop string it completed, if any (text is then cut)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # an incomplete character: wait for more bytes
+        new_text = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        search_from = max(len(self.text) - max((len(s) for s in self.stop), default=0) + 1, 0)
+        self.text += new_text
+        for stop in self.stop:
+            at = self.text.find(stop, search_from)
+            if at >= 0:
+                self.text = self.text[: at + len(stop) if self.include_stop else at]
+                return stop
+        return None
+
+    def visible_text(self, finished: bool) -> str:
+        """The text that may be shown now: all of it once finished, else minus the held-back tail."""
+        if finished or not self.stop or self.holdback == 0:
+            return self.text
+        return self.text[: max(len(self.text) - self.holdback, 0)]
