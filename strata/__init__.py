@@ -1,8 +1,15 @@
 """strata: serve large language models with continuous batching, a paged KV cache, TP and PP."""
 from __future__ import annotations
 
-from strata.errors import (AuthError, ConfigError, EngineDeadError, NotFoundError, RequestError, StrataError,
-                           UnsupportedModelError)
+from strata.errors import (
+    AuthError,
+    ConfigError,
+    EngineDeadError,
+    NotFoundError,
+    RequestError,
+    StrataError,
+    UnsupportedModelError,
+)
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
 from strata.sampling_params import SamplingParams
 

@@ -269,4 +269,4 @@ def default_cpu_kv_cache_bytes(num_local_ranks: int) -> int:
         pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         pages = 8 << 30
-    return int(min(pages * 0.25, 8 << 30) // max(1, num_local_ranks))
+    return int(min(pages * 0.25, 4 << 30) // max(1, num_local_ranks))

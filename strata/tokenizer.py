@@ -86,6 +86,14 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
+    def flush(self) -> None:
+        """At the end, keep whatever the last tokens decode to, incomplete characters included."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+
     def visible_text(self, finished: bool) -> str:
         """The text that may be shown now: all of it once finished, else minus the held-back tail."""
         if finished or not self.stop or self.holdback == 0:

@@ -140,6 +140,8 @@ class Engine:
             request.stop_reason = stop
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
         if request.finished:
+            if stop is None:
+                seq.detokenizer.flush()
             seq.finish_reason, seq.stop_reason = request.status.value, request.stop_reason
         touched[group.request_id] = group
 

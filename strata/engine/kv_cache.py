@@ -88,7 +88,8 @@ class KVCacheManager:
 
     def computed_blocks(self, request: Request) -> list[int]:
         """Leading cached blocks of a new request; the last token is always recomputed for its logits."""
-        if not self.enable_prefix_caching:
+        # Prompt logprobs need the logits of every prompt position, so such requests compute them all.
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         self._update_hashes(request)
         usable = (request.num_tokens - 1) // self.block_size

@@ -1,0 +1,91 @@
+"""The sampler against plain reference computations of each rule."""
+from __future__ import annotations
+
+import torch
+
+from strata.layers.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p
+from strata.sampling_params import SamplingParams
+
+
+def row(**kw) -> SamplingRow:
+    seed = kw.pop("seed", None)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    prompt = kw.pop("prompt", [])
+    output = kw.pop("output", [])
+    return SamplingRow(SamplingParams(**kw), gen, prompt, output)
+
+
+def sampler() -> Sampler:
+    return Sampler(torch.Generator().manual_seed(0))
+
+
+def test_greedy_takes_the_argmax():
+    logits = torch.randn(4, 50)
+    out = sampler()(logits, [row(temperature=0)] * 4)
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = torch.randn(1, 30)
+    masked = apply_top_k_top_p(logits.clone(), [row(top_k=5)])
+    kept = torch.isfinite(masked[0]).nonzero().flatten().tolist()
+    assert sorted(kept) == sorted(logits[0].topk(5).indices.tolist())
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    masked = apply_top_k_top_p(logits.clone(), [row(top_p=0.7)])
+    assert torch.isfinite(masked[0]).tolist() == [True, True, False, False]
+    masked = apply_top_k_top_p(logits.clone(), [row(top_p=0.1)])
+    assert torch.isfinite(masked[0]).tolist() == [True, False, False, False]
+
+
+def test_min_p_excludes_unlikely_tokens_from_samples():
+    logits = torch.log(torch.tensor([[0.6, 0.35, 0.05]]))
+    s = sampler()
+    tokens = {s(logits, [row(min_p=0.2)]).token_ids[0] for _ in range(200)}
+    assert tokens == {0, 1}
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    s = sampler()
+    counts = torch.zeros(3)
+    for _ in range(2000):
+        counts[s(probs.log().unsqueeze(0), [row()]).token_ids[0]] += 1
+    assert torch.allclose(counts / 2000, probs, atol=0.04)
+
+
+def test_seeded_row_is_independent_of_its_neighbours():
+    logits = torch.randn(3, 100)
+    a = sampler()(logits, [row(seed=5), row(), row()]).token_ids[0]
+    b = sampler()(logits[:1], [row(seed=5)]).token_ids[0]
+    c = Sampler(torch.Generator().manual_seed(123))(logits[[0, 2]], [row(seed=5), row(seed=9)]).token_ids[0]
+    assert a == b == c
+
+
+def test_penalties_follow_vllm_semantics():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    r = row(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, prompt=[0], output=[1, 1, 3])
+    out = apply_penalties(logits, [r])[0]
+    # token 0: seen in prompt, positive -> /2; token 1: output twice, negative -> *2, -0.5*2 - 0.25
+    expected = torch.tensor([1.0, -4.0 - 1.0 - 0.25, 1.0, 0.25 - 0.5 - 0.25])
+    assert torch.allclose(out, expected)
+
+
+def test_stop_tokens_are_masked_until_min_tokens():
+    logits = torch.tensor([[0.0, 10.0, 0.0]])
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    out = sampler()(logits.clone(), [SamplingRow(params, None, [], [5])])
+    assert out.token_ids[0] != 1
+    out = sampler()(logits.clone(), [SamplingRow(params, None, [], [5, 6])])
+    assert out.token_ids[0] == 1
+
+
+def test_logprobs_are_raw_with_rank_of_the_sampled_token():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0]])
+    out = sampler()(logits, [row(temperature=0, logprobs=2)])
+    top_ids, top_lps, token_lp, rank = out.logprobs[0]
+    ref = logits.log_softmax(-1)[0]
+    assert top_ids == [0, 2] and rank == 1
+    assert abs(top_lps[1] - ref[2].item()) < 1e-6 and abs(token_lp - ref[0].item()) < 1e-6
