@@ -1,0 +1,141 @@
+"""Turning an image reference from a request (data URI, local file, remote URL) into an RGB PIL image.
+
+Local files and remote URLs are off unless the server enables them; refusals are `RequestError`s (HTTP 400).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import io
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from strata.errors import RequestError
+
+# Bounds what one request can make the server download and hold in memory.
+MAX_REMOTE_IMAGE_BYTES = 64 * 1024 * 1024
+REMOTE_TIMEOUT_S = 10.0
+_PARAM = "image_url"
+
+
+def load_image(
+    url: str,
+    *,
+    allowed_local_media_path: str | None = None,
+    allow_remote_media: bool = False,
+    timeout_s: float = REMOTE_TIMEOUT_S,
+) -> Image.Image:
+    """Load the image `url` refers to and return it decoded, upright (EXIF orientation applied) and RGB.
+
+    Accepted: `data:image/...;base64,...` URIs; `file://` URLs and plain paths inside
+    `allowed_local_media_path` (relative paths are taken relative to that folder); `http(s)://` URLs
+    when `allow_remote_media`.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise RequestError("image URL must be a non-empty string", param=_PARAM)
+    url = url.strip()
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme == "data":
+        data = _data_uri_bytes(url)
+    elif scheme in ("http", "https"):
+        if not allow_remote_media:
+            raise RequestError(
+                "remote image URLs are disabled on this server (start it with --allow-remote-media to "
+                "fetch http(s) images); send the image as a base64 data URI instead",
+                param=_PARAM,
+            )
+        data = _fetch_remote(url, timeout_s)
+    elif scheme == "file":
+        data = _read_local(_file_url_path(url), allowed_local_media_path)
+    elif scheme == "":
+        data = _read_local(url, allowed_local_media_path)
+    else:
+        raise RequestError(f"unsupported image URL scheme {scheme!r}; use a data URI", param=_PARAM)
+    return decode_image(data)
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """Decode encoded image bytes (PNG, JPEG, ...) into an upright RGB image."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        # Decoding is lazy; force it here so truncated or corrupt files fail as a bad request.
+        image.load()
+        image = ImageOps.exif_transpose(image)
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
+        raise RequestError(f"could not decode the image: {exc}", param=_PARAM) from exc
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Return `image` as RGB; transparent pixels are composited onto white (as HF processors do)."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _data_uri_bytes(url: str) -> bytes:
+    header, sep, payload = url[len("data:"):].partition(",")
+    if not sep:
+        raise RequestError("malformed data URI: no ',' before the data", param=_PARAM)
+    params = [p.strip().lower() for p in header.split(";")]
+    media_type = params[0]
+    if media_type and not media_type.startswith("image/"):
+        raise RequestError(f"data URI media type {media_type!r} is not an image", param=_PARAM)
+    if "base64" not in params[1:]:
+        return urllib.parse.unquote_to_bytes(payload)
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise RequestError(f"data URI is not valid base64: {exc}", param=_PARAM) from exc
+
+
+def _file_url_path(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise RequestError("file:// URLs must not name a host", param=_PARAM)
+    return urllib.request.url2pathname(parts.path)
+
+
+def _read_local(path: str, allowed_local_media_path: str | None) -> bytes:
+    if allowed_local_media_path is None:
+        raise RequestError(
+            "local image paths are disabled on this server (start it with "
+            "--allowed-local-media-path DIR to allow files under DIR)",
+            param=_PARAM,
+        )
+    root = Path(allowed_local_media_path).resolve()
+    # resolve() follows symlinks and removes '..', so the containment check sees the real file.
+    target = (root / Path(path).expanduser()).resolve()
+    if not target.is_relative_to(root):
+        raise RequestError(
+            f"local image path {path!r} is outside the folder allowed by --allowed-local-media-path",
+            param=_PARAM,
+        )
+    try:
+        return target.read_bytes()
+    except OSError as exc:
+        raise RequestError(f"cannot read local image {path!r}: {exc.strerror or exc}", param=_PARAM) from exc
+
+
+def _fetch_remote(url: str, timeout_s: float) -> bytes:
+    request = urllib.request.Request(url, headers={"User-Agent": "strata"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            data = response.read(MAX_REMOTE_IMAGE_BYTES + 1)
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise RequestError(f"could not fetch image {url!r}: {reason}", param=_PARAM) from exc
+    if len(data) > MAX_REMOTE_IMAGE_BYTES:
+        raise RequestError(
+            f"image at {url!r} is larger than {MAX_REMOTE_IMAGE_BYTES // (1024 * 1024)} MiB", param=_PARAM
+        )
+    return data
