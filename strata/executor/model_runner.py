@@ -49,6 +49,9 @@ class RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     mm_inputs: object = None
+    # Multimodal models: (prompt positions, embeddings) of the request's image features, computed once
+    # by the first stage and sliced for each prefill chunk.
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -82,10 +85,22 @@ class ModelRunner:
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * size for a in self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        # Uninitialised memory costs nothing until touched; each block is zeroed on its first use,
+        # because attention multiplies masked (padding) slots by zero and NaN garbage would survive that.
+        self.unzeroed_blocks = np.ones(num_blocks, dtype=bool)
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
+            layer.k_cache = torch.empty(shape, dtype=self.config.model.dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.config.model.dtype, device=self.device)
+
+    def _zero_new_blocks(self, tables: np.ndarray) -> None:
+        fresh = np.unique(tables[self.unzeroed_blocks[tables]])
+        if fresh.size:
+            self.unzeroed_blocks[fresh] = False
+            index = torch.from_numpy(fresh).to(self.device)
+            for layer in self.attention_layers:
+                layer.k_cache.index_fill_(0, index, 0)
+                layer.v_cache.index_fill_(0, index, 0)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_request_ids:
@@ -107,7 +122,9 @@ class ModelRunner:
             return RunnerOutput()
         requests = sorted(out.requests, key=lambda s: len(s.token_ids) != 1)  # decodes first
         input_ids, positions, meta = self._prepare(requests)
-        hidden = self.model(input_ids, positions, meta, intermediate)
+        embeds = self._multimodal_embeds(requests, input_ids)
+        extra = {} if embeds is None else {"inputs_embeds": embeds}
+        hidden = self.model(input_ids, positions, meta, intermediate, **extra)
         if not self.pc.is_last_stage:
             return hidden
         return self._sample(requests, hidden)
@@ -122,6 +139,7 @@ class ModelRunner:
         tables = np.zeros((len(requests), width), dtype=np.int64)
         for i, s in enumerate(requests):
             tables[i, : len(s.block_ids)] = s.block_ids
+        self._zero_new_blocks(tables)
         slots = tables[seq_index, positions // bs] * bs + positions % bs
         num_decodes = int((lens == 1).sum())
         query_start = np.concatenate([[0], np.cumsum(lens)])
@@ -152,6 +170,32 @@ class ModelRunner:
                        for s in requests],
         )
         return input_ids, torch.from_numpy(positions).to(dev), meta
+
+    def _multimodal_embeds(self, requests: list[ScheduledRequest], input_ids: torch.Tensor
+                           ) -> torch.Tensor | None:
+        """Token embeddings with image features written over their placeholder tokens in this step's chunks
+        (first stage of multimodal models only; None when no scheduled token is an image feature)."""
+        if not self.pc.is_first_stage or not hasattr(self.model, "embed_multimodal"):
+            return None
+        rows, features, offset = [], [], 0
+        for s in requests:
+            state, n, start = self.states[s.request_id], len(s.token_ids), s.num_computed_tokens
+            where, embeds = state.mm_embeds or (None, None)
+            overlaps = where is None or (start <= int(where[-1]) and start + n > int(where[0]))
+            if state.mm_inputs is not None and overlaps:
+                if embeds is None:  # first chunk with image tokens, or recomputed after a preemption
+                    where, embeds = self.model.embed_multimodal(state.mm_inputs, state.prompt_token_ids)
+                inside = (where >= start) & (where < start + n)
+                rows.append(where[inside] - start + offset)
+                features.append(embeds[inside])
+                # Past the last image token the features are not needed again (unless preempted): free them.
+                state.mm_embeds = (where, None if start + n > int(where[-1]) else embeds)
+            offset += n
+        if not rows or sum(r.numel() for r in rows) == 0:
+            return None
+        embeds = self.model.embed_input_ids(input_ids)
+        embeds[torch.cat(rows)] = torch.cat(features).to(embeds.dtype)
+        return embeds
 
     def _sample(self, requests: list[ScheduledRequest], hidden: torch.Tensor) -> RunnerOutput:
         result = RunnerOutput()

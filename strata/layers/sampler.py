@@ -1,7 +1,7 @@
 """Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
 
-Random rows draw with the exponential-race trick (argmax of probs / Exp(1) noise), so a seeded
-request only consumes its own generator and gets the same tokens whatever else is in the batch.
+A seeded request draws from its own generator, row by row, so it gets the same tokens whatever else
+is in the batch; the other rows draw together from the engine's generator.
 """
 from __future__ import annotations
 
@@ -72,12 +72,14 @@ class Sampler:
             min_p = torch.tensor([r.params.min_p for r in rows], device=device)
             cutoff = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < cutoff, 0.0)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.default_generator)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                noise[i].exponential_(generator=row.generator)
-        sampled = (probs / noise).argmax(-1)
+        sampled = torch.empty(len(rows), dtype=torch.long, device=device)
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            index = torch.tensor(shared, device=device)
+            sampled[index] = torch.multinomial(probs[index], 1, generator=self.default_generator).squeeze(1)
+        for i in seeded:
+            sampled[i] = torch.multinomial(probs[i], 1, generator=rows[i].generator)[0]
         greedy = torch.tensor([r.params.greedy for r in rows], device=device)
         return torch.where(greedy, logits.argmax(-1), sampled)
 

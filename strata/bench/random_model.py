@@ -1,0 +1,70 @@
+"""Random-weight benchmark checkpoints (`python -m strata.bench.random_model PRESET DIR`).
+
+Speed does not depend on the weights' values, so benchmarks run on random models of real shapes,
+with a real byte-level BPE tokenizer trained on the Python standard library.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PRESETS: dict[str, dict] = {
+    # ~44M parameters (tied 32k embedding)
+    "llama-40m": dict(architecture="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True),
+    # ~240M parameters
+    "llama-250m": dict(architecture="llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=True),
+    # ~30M parameters: the issue's Mamba2 benchmark shape
+    "mamba2-30m": dict(architecture="mamba2", hidden_size=512, num_hidden_layers=8, state_size=64, head_dim=64,
+                       vocab_size=32000, tie_word_embeddings=True),
+}
+
+
+def build(preset: str, output: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    from transformers import PreTrainedTokenizerFast
+
+    from strata.demo.train import stdlib_sources, train_tokenizer
+
+    shape = dict(PRESETS[preset])
+    kind = shape.pop("architecture")
+    output.mkdir(parents=True, exist_ok=True)
+    tokenizer: PreTrainedTokenizerFast = train_tokenizer(stdlib_sources(), vocab_size=shape["vocab_size"])
+    torch.manual_seed(seed)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id, **shape)
+        model = LlamaForCausalLM(config)
+    else:
+        from transformers import Mamba2Config, Mamba2ForCausalLM
+
+        heads = 2 * shape["hidden_size"] // shape["head_dim"]
+        config = Mamba2Config(num_heads=heads, n_groups=1, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **shape)
+        model = Mamba2ForCausalLM(config)
+    model.to(dtype).save_pretrained(output, safe_serialization=True)
+    tokenizer.save_pretrained(output)
+    params = sum(p.numel() for p in model.parameters())
+    logger.info("wrote %s (%s, %.1fM parameters) to %s", preset, kind, params / 1e6, output)
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("preset", choices=sorted(PRESETS))
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    build(args.preset, args.output, args.seed)
+
+
+if __name__ == "__main__":
+    main()
