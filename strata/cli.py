@@ -40,6 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the Mamba SSM state (auto = the model dtype)")
     p.add_argument("--quantization", "-q", default=None, choices=["experts_int8"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
@@ -56,7 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                   gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
                   seed=args.seed, device=args.device, enable_prefix_caching=args.enable_prefix_caching,
-                  block_size=args.block_size)
+                  block_size=args.block_size, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     if args.pp_layer_partition is not None:
         kwargs["pp_layer_partition"] = args.pp_layer_partition
     if args.nnodes > 1 or args.master_port is not None:
@@ -114,10 +116,13 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="checkpoint folder whose tokenizer builds the prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens (vLLM extension)")
     p.add_argument("--output-json", default=None)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.verb == "serve" and args.node_rank > 0:
+        return _run_headless(args)
     if args.verb == "serve":
         from strata.server.app import run_server
 
@@ -133,6 +138,19 @@ def _run(args: argparse.Namespace) -> int:
     from strata.plan import run_plan
 
     return run_plan(args)
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    """`strata serve MODEL --nnodes N --node-rank R>0 ...`: this node only runs its workers, no server."""
+    from strata.config import EngineConfig
+    from strata.executor.multiproc import run_headless
+
+    model = args.model or args.model_flag
+    if model is None:
+        from strata.demo import demo_checkpoint_path
+
+        model = str(demo_checkpoint_path())
+    return run_headless(EngineConfig.create(model, **engine_kwargs(args)))
 
 
 def main(argv: list[str] | None = None) -> int:

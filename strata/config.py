@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from strata.errors import ConfigError
+from strata.executor.parallel import pp_partition
+from strata.layers.embedding import pad_vocab
 from strata.models import registry
 
 logger = logging.getLogger(__name__)
@@ -146,7 +148,10 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes per rank; None = a safe share of free memory
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    mamba_ssm_cache_dtype: str = "float32"
+    mamba_ssm_cache_dtype: str = "float32"  # auto (= the model dtype) | float32 | bfloat16 | float16
+
+    def ssm_state_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.mamba_ssm_cache_dtype == "auto" else _DTYPES[self.mamba_ssm_cache_dtype]
 
 
 @dataclass(frozen=True)
@@ -174,7 +179,7 @@ class EngineConfig:
                gpu_memory_utilization: float = 0.9, quantization: str | None = None, seed: int = 0,
                device: str = "auto", enable_prefix_caching: bool | None = None, block_size: int = 16,
                served_model_name: str | list[str] | None = None, chat_template: str | None = None,
-               **parallel_options: Any) -> EngineConfig:
+               mamba_ssm_cache_dtype: str = "float32", **parallel_options: Any) -> EngineConfig:
         model_config = ModelConfig.from_path(model, dtype, max_model_len, quantization)
         parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, **parallel_options)
         if max_num_seqs < 1:
@@ -193,13 +198,21 @@ class EngineConfig:
         if quantization not in (None, "experts_int8"):
             raise ConfigError(f"quantization {quantization!r} is not supported (supported: experts_int8)",
                               param="quantization")
+        if quantization == "experts_int8" and num_routed_experts(model_config.text_config) == 0:
+            raise ConfigError(f"quantization='experts_int8' quantizes the routed experts of MoE layers, but "
+                              f"{model_config.architecture} has no MoE layers; run it without --quantization",
+                              param="quantization")
+        if mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"mamba_ssm_cache_dtype {mamba_ssm_cache_dtype!r} is not one of auto, float32, "
+                              "bfloat16, float16", param="mamba_ssm_cache_dtype")
         hybrid = model_config.text_info.is_hybrid
         if enable_prefix_caching is None:
             enable_prefix_caching = not hybrid
-        elif enable_prefix_caching and hybrid:
+        if hybrid:
             logger.info("prefix caching is off for hybrid models (their recurrent state is not snapshotted)")
             enable_prefix_caching = False
-        cache = CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching)
+        cache = CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
+                            mamba_ssm_cache_dtype)
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len)
         if isinstance(served_model_name, str):
             served_model_name = [served_model_name]
@@ -214,53 +227,129 @@ def validate_parallel(config: EngineConfig) -> None:
     par, text = config.parallel, config.model.text_config
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}", param=name)
     info = config.model.text_info
+    arch = _architecture_name(config.model)
     if tp > 1 and not info.supports_tp:
-        raise ConfigError(f"{config.model.architecture} does not support tensor parallelism; "
+        raise ConfigError(f"{arch} does not support tensor parallelism (tensor_parallel_size={tp}); "
                           "use tensor_parallel_size=1", param="tensor_parallel_size")
     if pp > 1 and not info.supports_pp:
-        raise ConfigError(f"{config.model.architecture} does not support pipeline parallelism; "
+        raise ConfigError(f"{arch} does not support pipeline parallelism (pipeline_parallel_size={pp}); "
                           "use pipeline_parallel_size=1", param="pipeline_parallel_size")
     if tp > 1:
-        _check_divides(tp, "num_attention_heads", text.get("num_attention_heads"))
-        _check_divides(tp, "intermediate_size", text.get("intermediate_size"))
-        _check_kv_heads(tp, text.get("num_key_value_heads", text.get("num_attention_heads")))
-    num_layers = text.num_hidden_layers
-    if pp > num_layers:
-        raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {num_layers} layers; "
-                          f"use at most {num_layers}", param="pipeline_parallel_size")
-    if par.pp_layer_partition is not None:
-        part = par.pp_layer_partition
-        if len(part) != pp or sum(part) != num_layers or min(part) < 1:
-            raise ConfigError(f"pp_layer_partition {','.join(map(str, part))} must have {pp} positive "
-                              f"entries (one per stage) that sum to {num_layers} layers",
-                              param="pp_layer_partition")
+        _check_tp(tp, text)
+        _check_vision_tp(tp, config.model.hf_config.get("vision_config"))
+    _check_pp(pp, par.pp_layer_partition, text.num_hidden_layers)
+    _check_nodes(par)
     _check_devices(config, tp * pp)
 
 
-def _check_divides(tp: int, name: str, size: int | None) -> None:
-    if size is not None and size % tp:
-        works = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
-        raise ConfigError(f"tensor_parallel_size={tp} must divide {name}={size}; sizes that work: "
-                          f"{', '.join(map(str, works))}", param="tensor_parallel_size")
+def num_routed_experts(text: HFConfig) -> int:
+    """Routed experts per MoE layer; 0 for dense models (and MoE configs whose MoE layer list is empty)."""
+    experts = text.get("num_local_experts") or text.get("num_experts") or text.get("n_routed_experts") or 0
+    if text.get("moe_layers") == [] or text.get("interleave_moe_layer_step", 1) == 0:
+        return 0
+    return int(experts)
 
 
-def _check_kv_heads(tp: int, kv_heads: int | None) -> None:
-    if kv_heads is None or kv_heads % tp == 0 or tp % kv_heads == 0:
+def _check_vision_tp(tp: int, vision: HFConfig | None) -> None:
+    """The vision tower is split by heads and by the widths of its MLP and adapter."""
+    if vision is None:
         return
-    raise ConfigError(f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} or be a "
-                      f"multiple of it (KV heads are then replicated)", param="tensor_parallel_size")
+    for name in ("num_attention_heads", "intermediate_size", "projector_input_dim"):
+        size = vision.get(name)
+        if isinstance(size, int) and size % tp:
+            works = [t for t in range(1, min(size, 64) + 1) if size % t == 0]
+            raise ConfigError(f"tensor_parallel_size={tp} must divide vision_config.{name}={size} (the vision "
+                              f"encoder is split across TP ranks too); sizes that work for it: "
+                              f"{', '.join(map(str, works))}", param="tensor_parallel_size")
+
+
+def _architecture_name(model: ModelConfig) -> str:
+    """The architecture whose capabilities count, naming the language model of multimodal checkpoints."""
+    text_arch = model.info.text_architecture
+    return f"{text_arch} (the language model of {model.architecture})" if text_arch else str(model.architecture)
+
+
+# Sizes split evenly across TP ranks, when the checkpoint has them: attention heads, dense and expert MLP
+# widths, Mamba heads.
+_TP_DIVIDES = ("num_attention_heads", "intermediate_size", "intermediate_size_mlp", "moe_intermediate_size",
+               "num_heads", "mamba_num_heads")
+
+
+def tp_problem(tp: int, text: HFConfig) -> str | None:
+    """Why `tp` cannot shard this language model, or None when it can."""
+    for name in _TP_DIVIDES:
+        size = text.get(name)
+        if isinstance(size, int) and size % tp:
+            return f"tensor_parallel_size={tp} must divide {name}={size}"
+    groups = text.get("n_groups")  # Mamba2 B/C groups: split across ranks, or one group that every rank holds
+    if isinstance(groups, int) and groups > 1 and groups % tp:
+        return f"tensor_parallel_size={tp} must divide n_groups={groups} (the Mamba B/C groups)"
+    kv_heads = text.get("num_key_value_heads", text.get("num_attention_heads"))
+    if isinstance(kv_heads, int) and kv_heads % tp and tp % kv_heads:
+        return (f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} or be a multiple of it "
+                "(KV heads are then replicated)")
+    vocab = text.get("vocab_size")
+    if isinstance(vocab, int) and pad_vocab(vocab) % tp:
+        return (f"tensor_parallel_size={tp} must divide the padded vocabulary {pad_vocab(vocab)} "
+                f"(vocab_size={vocab} rounded up to a multiple of 64)")
+    return None
+
+
+def valid_tp_sizes(text: HFConfig, limit: int = 64) -> list[int]:
+    return [t for t in range(1, limit + 1) if tp_problem(t, text) is None]
+
+
+def _check_tp(tp: int, text: HFConfig) -> None:
+    problem = tp_problem(tp, text)
+    if problem is not None:
+        raise ConfigError(f"{problem}; sizes that work for this model: {', '.join(map(str, valid_tp_sizes(text)))}",
+                          param="tensor_parallel_size")
+
+
+def _check_pp(pp: int, partition: tuple[int, ...] | None, num_layers: int) -> None:
+    if pp > num_layers:
+        raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {num_layers} layers; "
+                          f"use 1 to {num_layers}", param="pipeline_parallel_size")
+    if partition is None:
+        return
+    if len(partition) != pp or sum(partition) != num_layers or min(partition) < 1:
+        example = ",".join(map(str, pp_partition(num_layers, pp)))
+        raise ConfigError(f"pp_layer_partition={','.join(map(str, partition))} must have {pp} positive entries "
+                          f"(one per stage) that sum to the model's {num_layers} layers, e.g. {example}",
+                          param="pp_layer_partition")
+
+
+def _check_nodes(par: ParallelConfig) -> None:
+    if par.nnodes < 1:
+        raise ConfigError(f"nnodes must be >= 1, got {par.nnodes}", param="nnodes")
+    if not 0 <= par.node_rank < par.nnodes:
+        raise ConfigError(f"node_rank={par.node_rank} must be in 0..{par.nnodes - 1} for nnodes={par.nnodes}",
+                          param="node_rank")
+    if par.world_size % par.nnodes:
+        works = [n for n in range(1, par.world_size + 1) if par.world_size % n == 0]
+        raise ConfigError(f"nnodes={par.nnodes} must divide the {par.world_size} workers "
+                          f"(tensor_parallel_size x pipeline_parallel_size) evenly; nnodes that work: "
+                          f"{', '.join(map(str, works))}", param="nnodes")
+    if par.master_port is not None and not 0 < par.master_port < 65536:
+        raise ConfigError(f"master_port={par.master_port} must be in 1..65535", param="master_port")
+    if par.nnodes > 1 and par.master_port is None:
+        raise ConfigError(f"nnodes={par.nnodes} needs --master-port (and --master-addr, the address of node 0) "
+                          "so that every node meets at the same place", param="master_port")
 
 
 def _check_devices(config: EngineConfig, world_size: int) -> None:
-    if resolve_device(config.device).type != "cuda" or config.parallel.nnodes > 1:
+    if resolve_device(config.device).type != "cuda":
         return
+    local = world_size // config.parallel.nnodes
     available = torch.cuda.device_count()
-    if world_size > available:
-        raise ConfigError(f"tensor_parallel_size x pipeline_parallel_size = {world_size} workers need "
-                          f"{world_size} GPUs but {available} are visible", param="tensor_parallel_size")
+    if local > available:
+        raise ConfigError(f"tensor_parallel_size x pipeline_parallel_size = {world_size} workers need {local} "
+                          f"GPUs on each of {config.parallel.nnodes} node(s) but {available} are visible; "
+                          f"use at most {available * config.parallel.nnodes} workers",
+                          param="tensor_parallel_size")
 
 
 def default_cpu_kv_cache_bytes(num_local_ranks: int) -> int:

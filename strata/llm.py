@@ -10,9 +10,10 @@ from tqdm.auto import tqdm
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine, PromptInput
+from strata.multimodal.chat import render_chat
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
-from strata.tokenizer import apply_chat_template, read_chat_template
+from strata.tokenizer import read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, quantization: str | None = None, seed: int = 0,
                  device: str = "auto", enable_prefix_caching: bool | None = None,
-                 chat_template: str | None = None, **kwargs: Any) -> None:
+                 chat_template: str | None = None, allowed_local_media_path: str | None = None,
+                 allow_remote_media: bool = False, **kwargs: Any) -> None:
         config = EngineConfig.create(
             model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -34,6 +36,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, chat_template=read_chat_template(chat_template),
             **kwargs)
         self.engine = Engine(config)
+        self.media_options = {"allowed_local_media_path": allowed_local_media_path,
+                              "allow_remote_media": allow_remote_media}
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -79,9 +83,11 @@ class LLM:
         template = read_chat_template(chat_template) or self.engine.config.chat_template
         prompts = []
         for conversation in conversations:
-            text = apply_chat_template(self.engine.tokenizer, conversation, template, add_generation_prompt)
-            ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            # Image parts ({"type": "image_url", ...}) are loaded, tiled and expanded into placeholder ids.
+            chat = render_chat(self.engine.tokenizer, conversation, self.engine.mm_processor, template,
+                               add_generation_prompt, **self.media_options)
+            prompts.append({"prompt": chat.text, "prompt_token_ids": chat.token_ids,
+                            "multi_modal_data": chat.mm_inputs})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:

@@ -40,12 +40,12 @@ def _tokenizer_files(vocab_size: int) -> dict[str, str]:
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config)}
 
 
-def write_tokenizer(folder: Path, vocab_size: int = 256) -> None:
+def write_tokenizer(folder: Path, vocab_size: int = 320) -> None:
     for name, text in _tokenizer_files(vocab_size).items():
         (folder / name).write_text(text)
 
 
-def make_llama(folder: Path, *, vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2,
+def make_llama(folder: Path, *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2,
                num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128, tied: bool = False,
                rope_scaling: dict | None = None, max_position_embeddings: int = 512, seed: int = 0,
                dtype: torch.dtype = torch.float32, **extra) -> Path:

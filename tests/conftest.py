@@ -1,7 +1,6 @@
 """Shared fixtures: tiny checkpoints built once per session in a temporary folder."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -11,7 +10,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import make_llama  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread: tests run beside servers and worker processes on 2 cores, where more threads than
+# free cores make every small op wait for a descheduled thread.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

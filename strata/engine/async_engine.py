@@ -116,6 +116,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.executor.check_health()  # a worker may die while the engine is idle
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue

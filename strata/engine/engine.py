@@ -15,6 +15,7 @@ from strata.engine.state_cache import SlotPool
 from strata.errors import RequestError
 from strata.executor.executor import create_executor
 from strata.executor.model_runner import RunnerOutput
+from strata.multimodal.chat import ImagePromptProcessor
 from strata.outputs import Logprob, RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import load_tokenizer
@@ -28,6 +29,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.model.path)
+        self.mm_processor = ImagePromptProcessor.for_model(config.model, self.tokenizer)
         self.executor = create_executor(config)
         kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching)
@@ -77,6 +79,11 @@ class Engine:
         if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already running", param="request_id")
         text, token_ids, mm = self.tokenize_prompt(prompt)
+        if mm is not None:
+            if self.mm_processor is None:
+                raise RequestError("this model is text-only and cannot take multi_modal_data",
+                                   param="multi_modal_data")
+            token_ids, mm = self.mm_processor.attach(token_ids, mm)
         self.validate_prompt(token_ids)
         params = params.clone()
         params.all_stop_token_ids = set(self.stop_token_ids)

@@ -84,7 +84,10 @@ class KVCacheManager:
         while (len(request.block_hashes) + 1) * bs <= request.num_tokens:
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else _ROOT_HASH
-            request.block_hashes.append(block_hash(parent, request.token_ids[i * bs:(i + 1) * bs]))
+            # A block holding image tokens also depends on the image's pixels (chained into later blocks).
+            mm = request.mm_inputs
+            extra = mm.cache_key if mm is not None and (i + 1) * bs > mm.first_position else b""
+            request.block_hashes.append(block_hash(parent, request.token_ids[i * bs:(i + 1) * bs], extra))
 
     def computed_blocks(self, request: Request) -> list[int]:
         """Leading cached blocks of a new request; the last token is always recomputed for its logits."""

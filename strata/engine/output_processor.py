@@ -6,20 +6,20 @@ from typing import Any
 
 from strata.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from strata.sampling_params import SamplingParams
-from strata.tokenizer import IncrementalDetokenizer
+from strata.tokenizer import IncrementalDetokenizer, fast_decoder
 
 
 class TokenTextCache:
     """Decoded text of single token ids, for logprobs (the vocabulary is fixed, so this is bounded)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+        self._decode = fast_decoder(tokenizer, skip_special_tokens=False)
         self._text: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._text.get(token_id)
         if text is None:
-            text = self._text[token_id] = self.tokenizer.decode([token_id])
+            text = self._text[token_id] = self._decode([token_id])
         return text
 
     def position(self, top_ids: list[int], top_lps: list[float], token: int, token_lp: float,
@@ -74,9 +74,12 @@ class RequestGroup:
 
     def output(self) -> RequestOutput:
         finished = self.finished
+        # Copies: the engine thread keeps appending while a server coroutine reads this output.
         outputs = [CompletionOutput(s.index, s.detokenizer.visible_text(s.finish_reason is not None),
-                                    list(s.token_ids), s.logprobs, s.finish_reason, s.stop_reason,
+                                    list(s.token_ids), None if s.logprobs is None else list(s.logprobs),
+                                    s.finish_reason, s.stop_reason,
                                     s.cumulative_logprob if s.logprobs is not None else None)
                    for s in self.sequences]
+        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
-                             self.prompt_logprobs, self.num_cached_tokens)
+                             prompt_logprobs, self.num_cached_tokens)

@@ -16,6 +16,7 @@ from strata.config import EngineConfig
 from strata.engine.scheduler import ScheduledRequest, SchedulerOutput
 from strata.executor.parallel import ParallelContext
 from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
+from strata.layers.mamba.mixer import MambaState, allocate_states
 from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
 from strata.models import loader
 from strata.sampling_params import SamplingParams
@@ -72,6 +73,7 @@ class ModelRunner:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.mamba_layers = [m for m in self.model.modules() if isinstance(m, MambaState)]
 
     @property
     def weight_bytes(self) -> int:
@@ -92,6 +94,13 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.empty(shape, dtype=self.config.model.dtype, device=self.device)
             layer.v_cache = torch.empty(shape, dtype=self.config.model.dtype, device=self.device)
+        if self.mamba_layers:  # one state slot per schedulable sequence, as the scheduler's SlotPool
+            cache = self.config.cache
+            nbytes = allocate_states(self.mamba_layers, self.config.scheduler.max_num_seqs, self.config.model.dtype,
+                                     cache.ssm_state_dtype(self.config.model.dtype), self.device)
+            logger.info("%s Mamba state: %d slots x %d layers (%.1f MiB, SSM state in %s)", self.pc.log_prefix,
+                        self.config.scheduler.max_num_seqs, len(self.mamba_layers), nbytes / 2**20,
+                        str(cache.ssm_state_dtype(self.config.model.dtype)).removeprefix("torch."))
 
     def _zero_new_blocks(self, tables: np.ndarray) -> None:
         fresh = np.unique(tables[self.unzeroed_blocks[tables]])

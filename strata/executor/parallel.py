@@ -1,7 +1,8 @@
-"""Rank layout, process groups, TP collectives and the PP layer partition."""
+"""Rank layout, process groups, TP collectives, the PP layer partition and the hand-off between stages."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -52,6 +53,50 @@ class ParallelContext:
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the member of stage `pp_rank` that shares this rank's tp_rank."""
         return pp_rank * self.tp_size + self.tp_rank
+
+    def send_intermediate(self, tensors: dict[str, torch.Tensor]) -> PendingSend:
+        """Start sending this stage's output to the same TP rank of the next stage; wait() before reuse."""
+        buffer = torch.stack([tensors[key] for key in INTERMEDIATE_KEYS]).contiguous()
+        work = dist.isend(buffer, self.stage_rank(self.pp_rank + 1), group=self.world_group)
+        return PendingSend(work, buffer)
+
+    def recv_intermediate(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+                          device: torch.device) -> dict[str, torch.Tensor]:
+        """The previous stage's (hidden_states, residual) for a step of `num_tokens` tokens."""
+        buffer = torch.empty((len(INTERMEDIATE_KEYS), num_tokens, hidden_size), dtype=dtype, device=device)
+        dist.recv(buffer, self.stage_rank(self.pp_rank - 1), group=self.world_group)
+        return dict(zip(INTERMEDIATE_KEYS, buffer.unbind(0), strict=True))
+
+
+# What a non-last stage hands to the next one; every tensor is [num_tokens, hidden_size].
+INTERMEDIATE_KEYS = ("hidden_states", "residual")
+
+
+@dataclass
+class PendingSend:
+    """An isend in progress; the buffer must live until it completes."""
+
+    work: Any
+    buffer: torch.Tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+def init_distributed(rank: int, world_size: int, tp_size: int, store: dist.Store, backend: str,
+                     timeout: timedelta) -> ParallelContext:
+    """Join the torch.distributed world through `store` and build this rank's TP group."""
+    dist.init_process_group(backend, store=dist.PrefixStore("strata/pg/", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+    tp_rank, pp_rank = rank_layout(tp_size, rank)
+    tp_group = None
+    if tp_size > 1:
+        # Every rank must create every group, in the same order.
+        for stage in range(world_size // tp_size):
+            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+            if stage == pp_rank:
+                tp_group = group
+    return ParallelContext(tp_rank, tp_size, pp_rank, world_size // tp_size, tp_group, dist.group.WORLD)
 
 
 def rank_layout(tp_size: int, rank: int) -> tuple[int, int]:

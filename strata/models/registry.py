@@ -24,6 +24,11 @@ class ModelInfo:
 
 _MODELS: dict[str, ModelInfo] = {
     "LlamaForCausalLM": ModelInfo("strata.models.llama", "LlamaForCausalLM"),
+    "Llama4ForCausalLM": ModelInfo("strata.models.llama4", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ModelInfo("strata.models.llama4_vision", "Llama4ForConditionalGeneration",
+                                                is_multimodal=True, text_architecture="Llama4ForCausalLM"),
+    "Mamba2ForCausalLM": ModelInfo("strata.models.mamba2", "Mamba2ForCausalLM", is_hybrid=True),
+    "Plamo2ForCausalLM": ModelInfo("strata.models.plamo2", "Plamo2ForCausalLM", is_hybrid=True),
 }
 
 

@@ -58,8 +58,9 @@ def test_greedy_generation_matches_transformers_token_for_token(fixture, request
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1]:]
+        with torch.no_grad():  # no EOS for transformers either: both run the full 32 tokens
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=1)[0, ids.shape[1]:]
         assert out.outputs[0].token_ids == ref.tolist()
         assert out.prompt_token_ids == ids[0].tolist()
         assert out.outputs[0].finish_reason == "length"

@@ -1,0 +1,317 @@
+"""MultiprocExecutor: spawns this node's TP x PP worker processes and drives them; headless nodes for multi-node.
+
+Node 0's driver hosts the TCPStore every rank meets at (torch.distributed rendezvous and control
+messages). A step goes to every rank at once; stage i receives stage i-1's hidden states, runs its
+layers and hands on; the last stage's TP rank 0 writes the result back.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from strata.config import EngineConfig, resolve_device
+from strata.engine.scheduler import SchedulerOutput
+from strata.errors import ConfigError, EngineDeadError
+from strata.executor.model_runner import RunnerOutput
+from strata.executor.worker import (
+    DEAD_MARKER,
+    ERROR_KEY,
+    EXITED_KEY,
+    NUM_BLOCKS_KEY,
+    RankInfo,
+    WorkerSpec,
+    connect_store,
+    init_key,
+    out_key,
+    shared_settings,
+    step_key,
+    worker_main,
+)
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint, or waiting for the other nodes to start
+_RESULT_TIMEOUT = timedelta(minutes=30)  # one step; liveness is watched separately, this is a last resort
+_GOODBYE_WAIT_S = 5.0
+
+
+def _local_ranks(config: EngineConfig, node_rank: int) -> range:
+    per_node = config.parallel.world_size // config.parallel.nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def spawn_workers(config: EngineConfig, ranks: Iterable[int], host: str, port: int) -> list:
+    """Start one spawned process per rank (never fork: the parent may hold threads, CUDA or a server)."""
+    ranks = list(ranks)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for local_rank, rank in enumerate(ranks):
+        spec = WorkerSpec(config, rank, local_rank, len(ranks), host, port, os.getpid(),
+                          max(1, cores // len(ranks)), backend, logging.getLogger().getEffectiveLevel(),
+                          _STARTUP_TIMEOUT_S)
+        proc = ctx.Process(target=worker_main, args=(spec,), name=f"strata-worker{spec.log_prefix}", daemon=True)
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def stop_processes(procs: list, grace_s: float) -> None:
+    """Wait up to `grace_s` for processes to leave on their own, then terminate, then kill."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.terminate()
+    for proc in procs:
+        proc.join(2.0)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(2.0)
+
+
+def _describe_exit(proc) -> str:
+    return f"worker {proc.name.removeprefix('strata-worker')} (pid {proc.pid}) exited with code {proc.exitcode}"
+
+
+class _Driver:
+    """The executor's state that must outlive it for clean-up: store server, processes, step counters.
+
+    It holds no reference to the executor, so a garbage-collected LLM still shuts its workers down.
+    """
+
+    def __init__(self, config: EngineConfig, store: dist.TCPStore, host: str, port: int, procs: list) -> None:
+        self.store: dist.TCPStore | None = store
+        self.host, self.port, self.procs = host, port, procs
+        self.world_size = config.parallel.world_size
+        self.lock = threading.Lock()
+        self.submitted = 0
+        self.collected = 0
+        self.dead_reason: str | None = None
+        self.stopping = threading.Event()
+        self.closed = False
+
+    def watch(self) -> None:
+        """Watchdog thread: a local worker's exit or any rank's reported error kills the engine."""
+        try:
+            client = connect_store(self.host, self.port, timedelta(seconds=10))
+        except dist.DistError as e:
+            logger.warning("the executor's watchdog cannot reach its store (%s); worker deaths are found late", e)
+            return
+        by_sentinel = {p.sentinel: p for p in self.procs}
+        while not self.stopping.is_set():
+            ready = multiprocessing.connection.wait(list(by_sentinel), timeout=0.5)
+            if self.stopping.is_set():
+                return
+            try:
+                error = client.get(ERROR_KEY).decode() if client.check([ERROR_KEY]) else None
+                if ready and error is None:
+                    time.sleep(0.2)  # a worker that raised writes its error just before it exits
+                    error = client.get(ERROR_KEY).decode() if client.check([ERROR_KEY]) else None
+            except dist.DistError:
+                return  # the store is gone: we are shutting down
+            if ready or error:
+                reason = "; ".join(filter(None, [_describe_exit(by_sentinel[ready[0]]) if ready else None, error]))
+                self.mark_dead(reason, client)
+                return
+
+    def mark_dead(self, reason: str, client: dist.TCPStore) -> None:
+        with self.lock:
+            if self.dead_reason is not None:
+                return
+            self.dead_reason = reason
+            pending = range(self.collected, self.submitted)
+        logger.error("a worker failed, the engine stops: %s", reason)
+        try:
+            for n in pending:  # wake up collect()
+                client.set(out_key(n), DEAD_MARKER)
+            client.set(step_key(self.submitted), pickle.dumps(None))  # remote workers waiting for a step leave
+        except dist.DistError:
+            pass
+        # Survivors may be blocked on the dead rank; end them now.
+        stop_processes(self.procs, grace_s=0.5)
+
+    def shutdown(self) -> None:
+        """Tell every rank to stop, wait briefly for them, then end local processes and the store."""
+        if self.closed:
+            return
+        self.closed = True
+        self.stopping.set()
+        try:
+            client = connect_store(self.host, self.port, timedelta(seconds=5))
+            if not client.check([NUM_BLOCKS_KEY]):  # still starting: ranks wait for this key, not a step
+                client.set(NUM_BLOCKS_KEY, "-1")
+            client.set(step_key(self.submitted), pickle.dumps(None))
+            deadline = time.monotonic() + _GOODBYE_WAIT_S
+            while (self.dead_reason is None and client.add(EXITED_KEY, 0) < self.world_size
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+        except dist.DistError:
+            pass
+        stop_processes(self.procs, grace_s=_GOODBYE_WAIT_S)
+        self.store = None  # the last reference: the store server stops
+
+
+class MultiprocExecutor:
+    """Drives tp x pp workers: `submit` hands a step to every rank without waiting; `collect` gets results."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        par = config.parallel
+        if par.node_rank != 0:
+            raise ConfigError(f"node_rank={par.node_rank} runs headless workers only; start it with `strata serve "
+                              f"MODEL --nnodes {par.nnodes} --node-rank {par.node_rank} --master-addr ADDR "
+                              "--master-port PORT`", param="node_rank")
+        self.config = config
+        self.max_concurrent_batches = par.pipeline_parallel_size
+        host = par.master_addr
+        store = connect_store(host, par.master_port or 0, timedelta(seconds=_STARTUP_TIMEOUT_S), is_master=True)
+        procs = spawn_workers(config, _local_ranks(config, 0), host, store.port)
+        self._driver = _Driver(config, store, host, store.port, procs)
+        self._finalizer = weakref.finalize(self, self._driver.shutdown)
+        logger.info("started %d local workers (tp=%d x pp=%d over %d node(s)); rendezvous at %s:%d", len(procs),
+                    par.tensor_parallel_size, par.pipeline_parallel_size, par.nnodes, host, store.port)
+        del store  # the driver holds the only reference: dropping it at shutdown ends the server
+        try:
+            self.rank_infos = self._wait_for_ranks()
+        except BaseException:
+            self._driver.dead_reason = "start-up failed"
+            self._finalizer()
+            raise
+        self.num_kv_blocks = min(info.max_kv_blocks for info in self.rank_infos)
+        self._driver.store.set(NUM_BLOCKS_KEY, str(self.num_kv_blocks))
+        self._driver.store.set_timeout(_RESULT_TIMEOUT)
+        threading.Thread(target=self._driver.watch, name="strata-executor-watchdog", daemon=True).start()
+        logger.info("KV cache: %d blocks of %d tokens on every rank", self.num_kv_blocks, config.cache.block_size)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._driver.procs]
+
+    def _wait_for_ranks(self) -> list[RankInfo]:
+        # No local variable holds the store: if start-up fails, the traceback must not keep its server alive.
+        driver, world_size = self._driver, self.config.parallel.world_size
+        infos: dict[int, RankInfo] = {}
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S + 60
+        while True:
+            for rank in range(world_size):
+                if rank not in infos and driver.store.check([init_key(rank)]):
+                    status, payload = pickle.loads(driver.store.get(init_key(rank)))
+                    if status == "error":
+                        cls, message, param = payload
+                        raise cls(message, param=param)
+                    infos[rank] = payload
+            if len(infos) == world_size:
+                break
+            error = driver.store.get(ERROR_KEY).decode() if driver.store.check([ERROR_KEY]) else None
+            exited = [p for p in driver.procs if p.exitcode is not None]
+            if exited or error:
+                reasons = [_describe_exit(p) for p in exited] + ([error] if error else [])
+                raise EngineDeadError("a worker failed during start-up: " + "; ".join(reasons))
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(infos))
+                raise EngineDeadError(f"ranks {missing} did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        ranks = [infos[r] for r in sorted(infos)]
+        _check_same_settings(self.config, ranks)
+        return ranks
+
+    def submit(self, out: SchedulerOutput) -> int:
+        driver = self._driver
+        message = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+        with driver.lock:
+            self._raise_if_dead()
+            n = driver.submitted
+            driver.store.set(step_key(n), message)
+            driver.submitted += 1
+        return n
+
+    def collect(self, handle: int) -> RunnerOutput:
+        driver = self._driver
+        self._raise_if_dead()
+        try:
+            raw = driver.store.get(out_key(handle))
+        except dist.DistError as e:
+            raise EngineDeadError(f"no result from the workers for step {handle}: {e}") from e
+        if raw == DEAD_MARKER:
+            self._raise_if_dead()
+        with driver.lock:
+            driver.collected = handle + 1
+        driver.store.delete_key(out_key(handle))
+        driver.store.delete_key(step_key(handle))
+        return pickle.loads(raw)
+
+    def _raise_if_dead(self) -> None:
+        if self._driver.dead_reason is not None:
+            raise EngineDeadError(f"the engine's workers failed: {self._driver.dead_reason}")
+        if self._driver.closed:
+            raise EngineDeadError("the executor was shut down")
+
+    def check_health(self) -> None:
+        self._raise_if_dead()
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _check_same_settings(config: EngineConfig, ranks: list[RankInfo]) -> None:
+    ours = shared_settings(config)
+    for info in ranks:
+        differ = [f"{k}={info.settings.get(k)!r} (node 0: {v!r})" for k, v in ours.items() if info.settings.get(k) != v]
+        if differ:
+            raise ConfigError(f"rank {info.rank} on {info.host} was started with {', '.join(differ)}; start every "
+                              "node with the same model and engine flags", param=differ[0].split("=")[0])
+
+
+def run_headless(config: EngineConfig) -> int:
+    """Node `node_rank` > 0 of a multi-node layout: run this node's ranks until node 0 ends them."""
+    par = config.parallel
+    if par.nnodes < 2 or par.node_rank == 0:
+        raise ConfigError("headless workers are for --node-rank 1 and up of a --nnodes > 1 layout",
+                          param="node_rank")
+    ranks = _local_ranks(config, par.node_rank)
+    procs = spawn_workers(config, ranks, par.master_addr, par.master_port)
+    logger.info("node %d: started ranks %d-%d; node 0 is expected at %s:%d", par.node_rank, ranks[0], ranks[-1],
+                par.master_addr, par.master_port)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main else None
+    try:
+        return _supervise(procs, par.master_addr, par.master_port)
+    except KeyboardInterrupt:
+        logger.info("node %d interrupted; stopping its workers", par.node_rank)
+        stop_processes(procs, grace_s=0)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _supervise(procs: list, host: str, port: int) -> int:
+    """Wait for this node's workers; one that fails is reported to node 0 and takes the others down."""
+    while True:
+        failed = [p for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            reason = "; ".join(_describe_exit(p) for p in failed)
+            logger.error("%s; stopping this node's workers", reason)
+            try:
+                connect_store(host, port, timedelta(seconds=2)).set(ERROR_KEY, reason)
+            except dist.DistError:
+                pass  # node 0 is gone already
+            stop_processes(procs, grace_s=1.0)
+            return 1
+        if all(p.exitcode == 0 for p in procs):
+            logger.info("node 0 ended the session; workers exited")
+            return 0
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=1.0)

@@ -1,0 +1,248 @@
+"""One rank of the multiprocess executor: its process entry point, its step loop, and the control protocol.
+
+Control messages (pickled steps and results) travel through the TCPStore that node 0's driver hosts;
+tensors travel only through torch.distributed (TP collectives, PP hand-off between stages).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from strata.config import EngineConfig
+from strata.errors import StrataError
+from strata.executor.executor import kv_cache_blocks
+from strata.executor.model_runner import ModelRunner
+from strata.executor.parallel import PendingSend, init_distributed, pp_layer_range, rank_layout
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Store keys. A step's key is deleted by the driver once its result came back, so the store stays small.
+NUM_BLOCKS_KEY = "num_kv_blocks"
+ERROR_KEY = "error"
+EXITED_KEY = "exited"
+# Written by the driver in place of a result that will never come (a worker died).
+DEAD_MARKER = b"\x00strata-dead"
+# A blocking store read waits this long at most; liveness is watched by other means.
+_FOREVER = timedelta(days=7)
+
+
+def step_key(n: int) -> str:
+    return f"step/{n}"
+
+
+def out_key(n: int) -> str:
+    return f"out/{n}"
+
+
+def init_key(rank: int) -> str:
+    return f"init/{rank}"
+
+
+def connect_store(host: str, port: int, timeout: timedelta, is_master: bool = False) -> dist.TCPStore:
+    """A TCPStore client (or the server, on node 0's driver); connecting retries until `timeout`."""
+    return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a spawned worker needs; pickled into the new process."""
+
+    config: EngineConfig
+    rank: int
+    local_rank: int
+    num_local_ranks: int
+    store_host: str
+    store_port: int
+    parent_pid: int
+    num_threads: int
+    backend: str  # gloo | nccl
+    log_level: int = logging.INFO
+    startup_timeout_s: float = 600.0
+
+    @property
+    def log_prefix(self) -> str:
+        tp_rank, pp_rank = rank_layout(self.config.parallel.tensor_parallel_size, self.rank)
+        return f"[tp{tp_rank} pp{pp_rank}]"
+
+
+@dataclass
+class RankInfo:
+    """What a rank reports once its weights are loaded."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    pid: int
+    host: str
+    layers: tuple[int, int]
+    weight_bytes: int
+    kv_bytes_per_block: int
+    max_kv_blocks: int
+    settings: dict[str, object] = field(default_factory=dict)
+    param_names: list[str] = field(default_factory=list)
+
+
+def shared_settings(config: EngineConfig) -> dict[str, object]:
+    """Settings every node must agree on; each node parses its own command line, so they are compared."""
+    par = config.parallel
+    return {"architecture": config.model.architecture, "dtype": str(config.model.dtype).removeprefix("torch."),
+            "tensor_parallel_size": par.tensor_parallel_size, "pipeline_parallel_size": par.pipeline_parallel_size,
+            "pp_layer_partition": par.pp_layer_partition, "nnodes": par.nnodes,
+            "block_size": config.cache.block_size, "max_model_len": config.model.max_model_len,
+            "quantization": config.model.quantization, "seed": config.seed}
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """A worker whose parent is gone exits at once, whatever it is blocked in."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a spawned worker process: load, report, then run steps until told to stop."""
+    import signal
+
+    # Ctrl-C reaches the whole process group; the driver (or node agent) shuts workers down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level, format=LOG_FORMAT)
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), name="strata-parent-watch", daemon=True).start()
+    torch.set_num_threads(spec.num_threads)
+    store, reported, code = None, False, 0
+    try:
+        store = connect_store(spec.store_host, spec.store_port, timedelta(seconds=spec.startup_timeout_s))
+        worker = Worker(spec, store)
+        reported = True
+        if worker.start():
+            worker.run()
+        else:
+            code = 1
+            logger.warning("%s node 0 gave up during start-up; exiting", spec.log_prefix)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the driver, then the process exits
+        code = 1
+        logger.error("%s worker failed: %s: %s", spec.log_prefix, type(e).__name__, e, exc_info=True)
+        _report_failure(store, spec, e, startup=not reported)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - peers may be gone already
+                pass
+    # Everything this process owns is released; skipping the interpreter's slow teardown (seconds with
+    # torch loaded) lets shutdown finish promptly.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _report_failure(store: dist.TCPStore | None, spec: WorkerSpec, error: BaseException, startup: bool) -> None:
+    if store is None:
+        return
+    try:
+        if startup and isinstance(error, StrataError):
+            # The driver re-raises it as is (e.g. a ConfigError about the checkpoint).
+            payload = ("error", (type(error), error.message, error.param))
+            store.set(init_key(spec.rank), pickle.dumps(payload))
+        store.set(ERROR_KEY, f"worker {spec.log_prefix} (rank {spec.rank}, pid {os.getpid()}) failed: "
+                             f"{type(error).__name__}: {error}")
+    except Exception:  # noqa: BLE001 - the driver may be gone; it then needs no report
+        pass
+
+
+class Worker:
+    """One rank: its model shard, its KV cache, and the loop that runs the driver's steps in order."""
+
+    def __init__(self, spec: WorkerSpec, store: dist.TCPStore) -> None:
+        self.spec, self.store = spec, store
+        config = spec.config
+        par = config.parallel
+        if spec.backend == "nccl":
+            self.device = torch.device("cuda", spec.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        timeout = timedelta(seconds=spec.startup_timeout_s)
+        self.pc = init_distributed(spec.rank, par.world_size, par.tensor_parallel_size, store, spec.backend, timeout)
+        self.runner = ModelRunner(config, self.pc, self.device)
+        self.hidden_size = config.model.text_config.hidden_size
+        self.pending: PendingSend | None = None
+        self.times = {"compute": 0.0, "recv": 0.0, "send": 0.0, "idle": 0.0}  # seconds, logged at shutdown
+
+    def start(self) -> bool:
+        """Report this rank's sizes, then allocate the KV cache the driver settled on for every rank.
+
+        False when the driver gave up during start-up (another rank failed, or the nodes disagree).
+        """
+        spec, runner, config = self.spec, self.runner, self.spec.config
+        per_block = runner.kv_bytes_per_block()
+        info = RankInfo(
+            rank=spec.rank, tp_rank=self.pc.tp_rank, pp_rank=self.pc.pp_rank, pid=os.getpid(),
+            host=socket.gethostname(),
+            layers=pp_layer_range(config.model.num_layers, self.pc.pp_rank, self.pc.pp_size,
+                                  config.parallel.pp_layer_partition),
+            weight_bytes=runner.weight_bytes, kv_bytes_per_block=per_block,
+            max_kv_blocks=kv_cache_blocks(config, per_block, self.device, spec.num_local_ranks),
+            settings=shared_settings(config),
+            param_names=[name for name, _ in runner.model.named_parameters()])
+        self.store.set(init_key(spec.rank), pickle.dumps(("ok", info)))
+        num_blocks = int(self.store.get(NUM_BLOCKS_KEY))
+        if num_blocks < 0:
+            return False
+        runner.allocate_kv_cache(num_blocks)
+        self.store.set_timeout(_FOREVER)
+        logger.info("%s ready: layers %d-%d, %d KV blocks", spec.log_prefix, info.layers[0], info.layers[1] - 1,
+                    num_blocks)
+        return True
+
+    def run(self) -> None:
+        n = 0
+        while True:
+            started = time.perf_counter()
+            step = pickle.loads(self.store.get(step_key(n)))
+            self.times["idle"] += time.perf_counter() - started
+            if step is None:
+                break
+            self.execute(n, step)
+            n += 1
+        if self.pending is not None:
+            self.pending.wait()
+        self.store.add(EXITED_KEY, 1)
+        t = self.times
+        logger.info("%s shut down after %d steps: %.2f s computing, %.2f s waiting for the previous stage, "
+                    "%.2f s for the next stage to take a batch, %.2f s for steps", self.spec.log_prefix, n,
+                    t["compute"], t["recv"], t["send"], t["idle"])
+
+    def execute(self, n: int, step) -> None:
+        pc, t = self.pc, self.times
+        intermediate = None
+        started = time.perf_counter()
+        if not pc.is_first_stage and step.requests:
+            intermediate = pc.recv_intermediate(step.num_tokens, self.hidden_size, self.spec.config.model.dtype,
+                                                self.device)
+        received = time.perf_counter()
+        result = self.runner.execute(step, intermediate)
+        computed = time.perf_counter()
+        t["recv"] += received - started
+        t["compute"] += computed - received
+        if not pc.is_last_stage:
+            if step.requests:
+                # At most one send in flight: this stage may start its next batch before the next stage
+                # has taken this one, which is what lets the stages overlap.
+                if self.pending is not None:
+                    self.pending.wait()
+                self.pending = pc.send_intermediate(result)
+            t["send"] += time.perf_counter() - computed
+        elif pc.tp_rank == 0:
+            self.store.set(out_key(n), pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))

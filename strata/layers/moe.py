@@ -1,0 +1,173 @@
+"""Routed SwiGLU experts (top-k routing, TP-sharded along each expert's intermediate size) and their
+optional `experts_int8` weight-only quantization (int8 weights, one scale per output channel)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.executor.parallel import ParallelContext
+from strata.layers.activation import silu_and_mul
+from strata.layers.linear import shard_dim
+
+logger = logging.getLogger(__name__)
+
+EXPERTS_INT8 = "experts_int8"
+GATE, UP, DOWN = 0, 1, "down"  # shard ids of per-expert checkpoint tensors
+
+
+def topk_sigmoid_routing(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4 routing: the k largest raw logits, each squashed by a sigmoid (not renormalized).
+
+    Returns (weights [T, k] float32, expert ids [T, k]).
+    """
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.sigmoid(values.float()), ids
+
+
+def expert_params_mapping(num_experts: int, prefix: str = ".experts.") -> list[tuple[str, str, object]]:
+    """Stacked-parameter entries that send per-expert checkpoint tensors into the fused expert tensors."""
+    mapping: list[tuple[str, str, object]] = []
+    for e in range(num_experts):
+        mapping += [(f"{prefix}gate_up_proj", f"{prefix}{e}.gate_proj.weight", (e, GATE)),
+                    (f"{prefix}gate_up_proj", f"{prefix}{e}.up_proj.weight", (e, UP)),
+                    (f"{prefix}down_proj", f"{prefix}{e}.down_proj.weight", (e, DOWN))]
+    return mapping
+
+
+def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row (= per output channel of a [out, in] weight): (int8 weight, float32 scale)."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8), scale
+
+
+class FusedMoE(nn.Module):
+    """All routed experts of one layer as two tensors, laid out for `F.linear` (rows = output channels).
+
+    `gate_up_proj` [E, 2*I/tp, H] holds this rank's gate rows then up rows; `down_proj` [E, H, I/tp].
+    The output is this rank's partial sum: the caller all-reduces it (together with any shared expert).
+    With `quantization="experts_int8"` both are int8 with a scale per (expert, output channel), quantized
+    as each checkpoint tensor arrives, so the full-precision experts never exist in memory.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 pc: ParallelContext, dtype: torch.dtype, quantization: str | None = None,
+                 apply_router_weight_on_input: bool = True) -> None:
+        super().__init__()
+        if intermediate_size % pc.tp_size:
+            raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by "
+                             f"tp_size {pc.tp_size}")
+        self.num_experts, self.top_k, self.pc = num_experts, top_k, pc
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.local_intermediate = intermediate_size // pc.tp_size
+        self.weight_on_input = apply_router_weight_on_input
+        self.quantized = quantization == EXPERTS_INT8
+        weight_dtype = torch.int8 if self.quantized else dtype
+        i = self.local_intermediate
+        self.gate_up_proj = self._param((num_experts, 2 * i, hidden_size), weight_dtype)
+        self.down_proj = self._param((num_experts, hidden_size, i), weight_dtype)
+        if self.quantized:
+            # Buffers, not parameters: they are derived at load, never read from a checkpoint.
+            self.register_buffer("gate_up_scale", torch.zeros(num_experts, 2 * i, dtype=dtype))
+            self.register_buffer("down_scale", torch.zeros(num_experts, hidden_size, dtype=dtype))
+
+    def _param(self, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+        p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        p.weight_loader = self.weight_loader
+        return p
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of this rank's expert weights (and scales)."""
+        tensors = [self.gate_up_proj, self.down_proj]
+        if self.quantized:
+            tensors += [self.gate_up_scale, self.down_scale]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---- loading -------------------------------------------------------------------------------------
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Fused checkpoint tensors ([E, H, 2I] / [E, I, H], used as x @ W) or one expert's [out, in] piece."""
+        tp, rank, i = self.pc.tp_size, self.pc.tp_rank, self.local_intermediate
+        is_gate_up = param is self.gate_up_proj
+        if shard_id is None:
+            expected = ((self.num_experts, self.hidden_size, 2 * self.intermediate_size) if is_gate_up
+                        else (self.num_experts, self.intermediate_size, self.hidden_size))
+            _check_shape(loaded, expected)
+            if is_gate_up:  # gate and up halves are sharded separately: a contiguous split of 2I is wrong
+                gate, up = loaded.chunk(2, dim=-1)
+                rows = torch.cat([shard_dim(gate, 2, rank, tp), shard_dim(up, 2, rank, tp)], dim=2)
+                self._store(slice(None), slice(None), rows.transpose(1, 2), is_gate_up)
+            else:
+                self._store(slice(None), slice(None), shard_dim(loaded, 1, rank, tp).transpose(1, 2), False)
+            return
+        expert, part = shard_id
+        if part == DOWN:
+            _check_shape(loaded, (self.hidden_size, self.intermediate_size))
+            self._store(expert, slice(None), shard_dim(loaded, 1, rank, tp), False)
+        else:
+            _check_shape(loaded, (self.intermediate_size, self.hidden_size))
+            rows = slice(0, i) if part == GATE else slice(i, 2 * i)
+            self._store(expert, rows, shard_dim(loaded, 0, rank, tp), True)
+
+    def _store(self, experts: int | slice, rows: slice, w: torch.Tensor, is_gate_up: bool) -> None:
+        param = self.gate_up_proj if is_gate_up else self.down_proj
+        if not self.quantized:
+            param.data[experts, rows].copy_(w)
+            return
+        q, scale = quantize_rows_int8(w)
+        param.data[experts, rows].copy_(q)
+        (self.gate_up_scale if is_gate_up else self.down_scale)[experts, rows].copy_(scale)
+
+    # ---- forward -------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x: [T, H], router_logits: [T, E] -> this rank's partial output [T, H]."""
+        weights, ids = topk_sigmoid_routing(router_logits, self.top_k)
+        flat_ids = ids.flatten()
+        # Group the (token, choice) pairs by expert so each expert runs one matmul over its tokens only.
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        flat_weights = weights.flatten()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            tokens = pairs // self.top_k
+            w = flat_weights[pairs].to(x.dtype).unsqueeze(1)
+            h = x[tokens]
+            if self.weight_on_input:  # the score scales the expert's input, not its output (SwiGLU is not linear)
+                y = self._expert(expert, h * w)
+            else:
+                y = self._expert(expert, h) * w
+            out.index_add_(0, tokens, y)
+        return out
+
+    def _expert(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        if not self.quantized:
+            return F.linear(silu_and_mul(F.linear(h, self.gate_up_proj[expert])), self.down_proj[expert])
+        act = silu_and_mul(_int8_linear(h, self.gate_up_proj[expert], self.gate_up_scale[expert]))
+        return _int8_linear(act, self.down_proj[expert], self.down_scale[expert])
+
+
+# torch's CPU weight-only int8 kernel costs grow with the row count (it is a GEMV at heart): measured on
+# [1024 -> 2048] it beats dequantize + matmul below ~12 rows and is 4x slower at 256.
+_INT8_KERNEL_MAX_ROWS = 12
+
+
+def _int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (scale * w).T with int8 `w`; a per-output-channel scale can be applied after the matmul."""
+    if x.device.type == "cpu" and x.shape[0] <= _INT8_KERNEL_MAX_ROWS:
+        return torch._weight_int8pack_mm(x.contiguous(), w, scale.to(x.dtype))
+    return F.linear(x, w.to(x.dtype)) * scale.to(x.dtype)
+
+
+def _check_shape(t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != expected:
+        raise ValueError(f"shape mismatch: expected {expected}, checkpoint has {tuple(t.shape)}")

@@ -1,0 +1,184 @@
+"""Chat messages with images -> prompt text, token ids with expanded image placeholders, and the
+preprocessed images (`ImageInputs`) that travel with the request; shared by `LLM.chat` and the server."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from strata.config import ModelConfig
+from strata.errors import RequestError, UnsupportedModelError
+from strata.multimodal.image_loading import load_image, to_rgb
+from strata.multimodal.llama4_image import (
+    IMAGE,
+    Llama4ImageConfig,
+    expand_image_placeholders,
+    num_image_features,
+    placeholder_token_ids,
+    preprocess_image,
+)
+from strata.tokenizer import apply_chat_template
+
+_TEXT_PARTS = {"text", "input_text"}
+_IMAGE_PARTS = {"image_url", "input_image", "image"}
+# A template that loops over a message's content renders content parts ({"type": "image"} included);
+# one that prints `message['content']` as a whole needs a string with the image placeholder in it.
+_ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content)")
+
+
+@dataclass
+class ImageInputs:
+    """The preprocessed images of one request, in prompt order (the `mm_inputs` of a Request)."""
+
+    pixel_values: list[torch.Tensor]  # per image: [tiles, 3, tile, tile]
+    aspect_ratios: list[tuple[int, int]]
+    cache_key: bytes  # digest of the pixels: prompts with other images never share KV blocks past `first_position`
+    first_position: int  # prompt position of the first image-feature token
+
+
+@dataclass
+class ChatPrompt:
+    text: str  # the rendered conversation, one image placeholder per image
+    token_ids: list[int]  # placeholders expanded into the image's tokens
+    mm_inputs: ImageInputs | None
+
+
+class ImagePromptProcessor:
+    """Turns images into tiles and a prompt's `<|image|>` tokens into the tokens the model fills (Llama 4)."""
+
+    def __init__(self, image_config: Llama4ImageConfig, tokenizer: Any) -> None:
+        self.config, self.tokenizer = image_config, tokenizer
+        self.token_ids = placeholder_token_ids(tokenizer)
+        patch = self.token_ids["<|patch|>"]
+        if patch != image_config.image_token_id:
+            raise UnsupportedModelError(f"the tokenizer's <|patch|> is id {patch} but config.json says "
+                                        f"image_token_index={image_config.image_token_id}", param="model")
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, tokenizer: Any) -> ImagePromptProcessor | None:
+        """The processor of a multimodal checkpoint; None for text-only models."""
+        if not model.info.is_multimodal:
+            return None
+        if model.architecture != "Llama4ForConditionalGeneration":
+            raise UnsupportedModelError(f"no image processor for {model.architecture}", param="model")
+        pre_path = Path(model.path) / "preprocessor_config.json"
+        pre = json.loads(pre_path.read_text()) if pre_path.is_file() else None
+        return cls(Llama4ImageConfig.from_hf_config(model.hf_config.to_dict(), pre), tokenizer)
+
+    @property
+    def image_placeholder(self) -> str:
+        return IMAGE
+
+    def process(self, token_ids: list[int], images: list[Image.Image]) -> tuple[list[int], ImageInputs]:
+        """Expand the i-th `<|image|>` of `token_ids` for the i-th image and tile the images."""
+        tiles, ratios = [], []
+        for image in images:
+            pixels, ratio = preprocess_image(image, self.config)
+            tiles.append(pixels)
+            ratios.append(ratio)
+        ids = expand_image_placeholders(token_ids, ratios, self.config.tokens_per_tile, self.token_ids)
+        return ids, self._inputs(ids, tiles, ratios)
+
+    def check(self, token_ids: list[int], inputs: ImageInputs) -> None:
+        """Already expanded prompts (from `render_chat`) must have one feature token per image feature."""
+        expected = sum(num_image_features(r, self.config.tokens_per_tile) for r in inputs.aspect_ratios)
+        found = sum(1 for t in token_ids if t == self.config.image_token_id)
+        if found != expected:
+            raise RequestError(f"the prompt has {found} image-feature tokens but its images need {expected}",
+                               param="multi_modal_data")
+
+    def _inputs(self, ids: list[int], tiles: list[torch.Tensor], ratios: list[tuple[int, int]]) -> ImageInputs:
+        digest = hashlib.blake2b(digest_size=16)
+        for pixels in tiles:
+            digest.update(pixels.contiguous().view(torch.int16).numpy().tobytes())
+        return ImageInputs(tiles, ratios, digest.digest(), ids.index(self.config.image_token_id))
+
+    def attach(self, token_ids: list[int], data: Any) -> tuple[list[int], ImageInputs | None]:
+        """The engine's entry: `multi_modal_data` is ImageInputs, or {"image": image or list of images}."""
+        if isinstance(data, ImageInputs):
+            self.check(token_ids, data)
+            return token_ids, data
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise RequestError("multi_modal_data must be {'image': <PIL image or list of them>}",
+                               param="multi_modal_data")
+        images = data.get("image")
+        images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return token_ids, None
+        if not all(isinstance(i, Image.Image) for i in images):
+            raise RequestError("multi_modal_data['image'] must hold PIL images", param="multi_modal_data")
+        return self.process(token_ids, [to_rgb(i) for i in images])
+
+
+def template_renders_parts(chat_template: Any) -> bool:
+    return isinstance(chat_template, str) and bool(_ITERATES_CONTENT.search(chat_template))
+
+
+def parse_message_content(messages: list[dict[str, Any]], parts_format: bool, multimodal: bool,
+                          image_placeholder: str = IMAGE) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Messages as the chat template gets them, and the image references in order of appearance.
+
+    Images become `{"type": "image"}` parts for templates that render parts, else `image_placeholder`
+    inside the text (parts joined by newlines). Image references are URL strings (or PIL images).
+    """
+    parsed, images = [], []
+    for i, message in enumerate(messages):
+        entry = dict(message)
+        content = message.get("content")
+        if content is None:
+            entry["content"] = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _TEXT_PARTS:
+                    parts.append({"type": "text", "text": part.get("text") or ""})
+                elif kind in _IMAGE_PARTS:
+                    if not multimodal:
+                        raise RequestError(f"{where} is an image, but this model is text-only and cannot read "
+                                           "images; send text content only", param=where)
+                    images.append(_image_reference(part, where))
+                    parts.append({"type": "image"})
+                else:
+                    raise RequestError(f"{where} has unsupported content type {kind!r} (supported: text, "
+                                       "image_url)", param=where)
+            entry["content"] = parts if parts_format else "\n".join(
+                p["text"] if p["type"] == "text" else image_placeholder for p in parts)
+        parsed.append(entry)
+    return parsed, images
+
+
+def _image_reference(part: dict[str, Any], where: str) -> Any:
+    value = part.get("image_url", part.get("image"))
+    if isinstance(value, dict):
+        value = value.get("url")
+    if isinstance(value, Image.Image) or (isinstance(value, str) and value.strip()):
+        return value
+    raise RequestError(f"{where} has no image URL (expected {{'image_url': {{'url': ...}}}})", param=where)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], processor: ImagePromptProcessor | None,
+                chat_template: str | None = None, add_generation_prompt: bool = True, *,
+                allowed_local_media_path: str | None = None, allow_remote_media: bool = False,
+                **template_kwargs: Any) -> ChatPrompt:
+    """Render one conversation; images in its messages are loaded, tiled and expanded into the ids."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    placeholder = processor.image_placeholder if processor is not None else IMAGE
+    parsed, refs = parse_message_content(messages, template_renders_parts(template), processor is not None,
+                                         placeholder)
+    text = apply_chat_template(tokenizer, parsed, chat_template, add_generation_prompt, **template_kwargs)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if not refs:
+        return ChatPrompt(text, ids, None)
+    images = [to_rgb(r) if isinstance(r, Image.Image) else
+              load_image(r, allowed_local_media_path=allowed_local_media_path, allow_remote_media=allow_remote_media)
+              for r in refs]
+    ids, inputs = processor.process(ids, images)
+    return ChatPrompt(text, ids, inputs)

@@ -1,0 +1,158 @@
+"""`strata plan MODEL -tp T -pp P`: each rank's layers, weight bytes, KV-cache bytes and traffic, without workers.
+
+Each rank's model is built on the meta device and "loaded" from the checkpoint's tensor shapes (read
+from the safetensors headers only), so the figures come from the same layers and weight loaders that
+the workers use, and a checkpoint that does not fit the layout is refused here too.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from strata.config import EngineConfig
+from strata.executor.parallel import ParallelContext, pp_layer_range, rank_layout
+from strata.layers.attention import Attention
+from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from strata.layers.linear import ColumnParallelLinear, RowParallelLinear
+from strata.models import loader
+
+logger = logging.getLogger(__name__)
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    node: int
+    tp_rank: int
+    pp_rank: int
+    layers: tuple[int, int]  # [start, end)
+    param_bytes: int
+    kv_bytes_per_1k_tokens: int
+    has_embedding: bool
+    has_lm_head: bool
+    allreduce_count: int  # TP all-reduces per forward pass
+    allreduce_bytes_per_token: int
+    send_bytes_per_token: int  # PP hand-off to the next stage
+    gather_bytes_per_sampled_token: int  # the LM head's all-gather of vocabulary shards
+
+
+def checkpoint_shapes(folder: str, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, meta tensor of the stored shape) for every checkpoint tensor; only headers are read."""
+    for path in loader.checkpoint_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if not skip(name):
+                    piece = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
+                    yield name, torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+
+
+def meta_model(config: EngineConfig, pc: ParallelContext) -> nn.Module:
+    """This rank's model with meta tensors, passed through its weight loaders (which check every shape)."""
+    cls = config.model.info.load_class()
+    with torch.device("meta"):
+        model = cls(config.model, pc, config.parallel.pp_layer_partition)
+    model.load_weights(checkpoint_shapes(config.model.path,
+                                         lambda name: loader.is_pp_missing(name, model.missing_prefixes)))
+    return model
+
+
+def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
+    par = config.parallel
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    tp_rank, pp_rank = rank_layout(tp, rank)
+    pc = ParallelContext(tp_rank, tp, pp_rank, pp)
+    model = meta_model(config, pc)
+    size = torch.empty((), dtype=config.model.dtype).element_size()
+    hidden = config.model.text_config.hidden_size
+    reduces, reduce_bytes, gather_bytes = 0, 0, 0
+    kv_bytes = 0
+    for module in model.modules():
+        if isinstance(module, Attention):
+            kv_bytes += 2 * module.num_kv_heads * module.head_dim * size * 1000
+        if tp == 1:
+            continue
+        if isinstance(module, ParallelLMHead):
+            gather_bytes += module.rows_per_rank * tp * size
+        elif isinstance(module, VocabParallelEmbedding) and pc.is_first_stage:
+            reduces, reduce_bytes = reduces + 1, reduce_bytes + module.weight.shape[1] * size
+        elif isinstance(module, RowParallelLinear) and module.reduce_results:
+            reduces, reduce_bytes = reduces + 1, reduce_bytes + module.weight.shape[0] * size
+        elif isinstance(module, ColumnParallelLinear) and module.gather_output:
+            gather_bytes += module.out_per_rank * tp * size
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    embeddings = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and m not in heads]
+    return RankPlan(
+        rank=rank, node=rank // (par.world_size // par.nnodes), tp_rank=tp_rank, pp_rank=pp_rank,
+        layers=pp_layer_range(config.model.num_layers, pp_rank, pp, par.pp_layer_partition),
+        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        kv_bytes_per_1k_tokens=kv_bytes,
+        has_embedding=bool(embeddings), has_lm_head=bool(heads),
+        allreduce_count=reduces, allreduce_bytes_per_token=reduce_bytes,
+        send_bytes_per_token=0 if pc.is_last_stage else 2 * hidden * size,
+        gather_bytes_per_sampled_token=gather_bytes)
+
+
+def plan_layout(config: EngineConfig) -> list[RankPlan]:
+    return [plan_rank(config, rank) for rank in range(config.parallel.world_size)]
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_plan(config: EngineConfig, plans: list[RankPlan]) -> str:
+    par, sched = config.parallel, config.scheduler
+    dtype = str(config.model.dtype).removeprefix("torch.")
+    lines = [f"{config.model.path} ({config.model.architecture}, {dtype}): tp={par.tensor_parallel_size} x "
+             f"pp={par.pipeline_parallel_size} = {par.world_size} ranks on {par.nnodes} node(s)",
+             f"{'rank':>4} {'node':>4} {'tp':>3} {'pp':>3}  {'layers':<12} {'parameter bytes':>28}  "
+             f"{'KV/1k tokens':>12}  {'embed':<5} {'lm_head':<7}  {'TP all-reduce/token':>22}  "
+             f"{'PP send/token':>13}"]
+    for p in plans:
+        layers = f"{p.layers[0]}-{p.layers[1] - 1} ({p.layers[1] - p.layers[0]})"
+        params = f"{p.param_bytes:,} ({human(p.param_bytes)})"
+        reduce = f"{p.allreduce_count} ops, {human(p.allreduce_bytes_per_token)}" if p.allreduce_count else "-"
+        send = human(p.send_bytes_per_token) if p.send_bytes_per_token else "-"
+        lines.append(f"{p.rank:>4} {p.node:>4} {p.tp_rank:>3} {p.pp_rank:>3}  {layers:<12} {params:>28}  "
+                     f"{human(p.kv_bytes_per_1k_tokens):>12}  {'yes' if p.has_embedding else 'no':<5} "
+                     f"{'yes' if p.has_lm_head else 'no':<7}  {reduce:>22}  {send:>13}")
+    tokens = sched.max_num_batched_tokens
+    worst_reduce = max(p.allreduce_bytes_per_token for p in plans)
+    send = max(p.send_bytes_per_token for p in plans)
+    gather = max(p.gather_bytes_per_sampled_token for p in plans)
+    lines += [
+        f"total parameter bytes over all ranks: {sum(p.param_bytes for p in plans):,} "
+        f"({human(sum(p.param_bytes for p in plans))}); largest rank: {human(max(p.param_bytes for p in plans))}",
+        f"communication per step of {tokens} tokens (max_num_batched_tokens), payload sizes:",
+        f"  TP all-reduce per rank: {human(worst_reduce * tokens)}"
+        + (f" ({human(worst_reduce)} per token)" if worst_reduce else " (no TP)"),
+        f"  PP hand-off per stage boundary (hidden_states + residual): {human(send * tokens)}"
+        + ("" if send else " (no PP)"),
+        f"  logits all-gather on the last stage: {human(gather)} per sampled sequence"
+        f" ({human(gather * sched.max_num_seqs)} for max_num_seqs={sched.max_num_seqs})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from strata.cli import engine_kwargs
+
+    config = EngineConfig.create(args.model, **engine_kwargs(args))
+    sys.stdout.write(format_plan(config, plan_layout(config)))
+    return 0

@@ -1,0 +1,175 @@
+"""POST /v1/chat/completions: messages -> chat template -> engine -> a response or an SSE stream."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from strata.errors import RequestError
+from strata.outputs import CompletionOutput, RequestOutput
+from strata.sampling_params import SamplingParams
+from strata.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatMessageOut,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from strata.server.serving import (
+    Disconnected,
+    Prepared,
+    Serving,
+    final_outputs,
+    merge_streams,
+    sse,
+    sse_with_errors,
+    usage,
+)
+from strata.tokenizer import apply_chat_template
+
+_IMAGE_PART_TYPES = {"image_url", "image", "input_image"}
+
+
+def parse_chat_messages(messages: list[ChatMessage], multimodal: bool) -> list[dict[str, Any]]:
+    """Messages as the chat template receives them; the one place message content parts are read.
+
+    Text parts are joined with newlines (as vLLM does). Image parts are refused for text-only models;
+    for multimodal models this is where they are to be collected and passed on with the prompt.
+    """
+    parsed = []
+    for i, message in enumerate(messages):
+        entry = message.model_dump(exclude_none=True)
+        content = message.content
+        if content is None:
+            entry["content"] = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                if part.type == "text":
+                    texts.append(part.text or "")
+                elif part.type in _IMAGE_PART_TYPES:
+                    if not multimodal:
+                        raise RequestError(f"{where} is an image, but this model is text-only and cannot read "
+                                           "images; send text content only", param=where)
+                    raise RequestError(f"{where}: image inputs are not supported by this server yet", param=where)
+                else:
+                    raise RequestError(f"{where} has unsupported content type {part.type!r} (supported: text)",
+                                       param=where)
+            entry["content"] = "\n".join(texts)
+        parsed.append(entry)
+    return parsed
+
+
+@dataclass
+class _ChatJob:
+    request_id: str
+    model: str
+    prompt: Prepared
+    params: SamplingParams
+    req: ChatCompletionRequest
+
+
+class ChatServing(Serving):
+    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template
+        self.multimodal = bool(self.engine.config.model.info.is_multimodal)
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, chat_template: str | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> Prepared:
+        """The conversation as prompt text and ids (the template carries its own BOS, so none is added)."""
+        kwargs = dict(template_kwargs or {})
+        if continue_final_message:
+            if add_generation_prompt:
+                raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                   param="continue_final_message")
+            kwargs["continue_final_message"] = True
+        text = apply_chat_template(self.tokenizer, parse_chat_messages(messages, self.multimodal),
+                                   chat_template or self.chat_template, add_generation_prompt, **kwargs)
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return Prepared(text, ids)
+
+    async def create(self, req: ChatCompletionRequest, disconnected: Disconnected | None = None
+                     ) -> ChatCompletionResponse | AsyncIterator[str] | None:
+        job = self._job(req)
+        stream = self.open_stream(job.request_id, job.prompt, job.params, time.monotonic())
+        if req.stream:
+            return sse_with_errors(self._stream(job, stream))
+        finals = await final_outputs([stream], disconnected)
+        return None if finals is None else self._response(job, finals[0])
+
+    def _job(self, req: ChatCompletionRequest) -> _ChatJob:
+        model = self.check_model(req.model)
+        self.check_common(req)
+        if req.tools and req.tool_choice != "none":
+            raise RequestError("tool calling is not supported", param="tools")
+        if not req.messages:
+            raise RequestError("messages must not be empty", param="messages")
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise RequestError("when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                      prompt_logprobs=req.prompt_logprobs)
+        rendered = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                               req.chat_template, req.chat_template_kwargs)
+        prompt = self.prepare(rendered.as_input())
+        return _ChatJob(random_id("chatcmpl"), model, prompt, params, req)
+
+    def _logprobs(self, job: _ChatJob, token_ids: list[int], seq: CompletionOutput, start: int = 0):
+        if not job.req.logprobs:
+            return None
+        positions = (seq.logprobs or [])[start:start + len(token_ids)]
+        return self.chat_logprobs(token_ids[:len(positions)], positions, job.req.top_logprobs or 0,
+                                  bool(job.req.return_tokens_as_token_ids))
+
+    def _response(self, job: _ChatJob, out: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=seq.index, message=ChatMessageOut(content=seq.text),
+                              logprobs=self._logprobs(job, seq.token_ids, seq),
+                              finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                   for seq in out.outputs]
+        completion_tokens = sum(len(seq.token_ids) for seq in out.outputs)
+        return ChatCompletionResponse(
+            id=job.request_id, model=job.model, choices=choices,
+            usage=usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens),
+            prompt_logprobs=self.prompt_logprobs(out, job.req.prompt_logprobs))
+
+    async def _stream(self, job: _ChatJob, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        opts = job.req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        n, num_prompt = job.params.n, len(job.prompt.token_ids)
+        sent_tokens, sent_text, done = [0] * n, [0] * n, [False] * n
+
+        def chunk(choice: ChatStreamChoice, tokens: int) -> str:
+            return sse(_chunk(job, [choice], usage(num_prompt, tokens) if continuous else None))
+
+        for index in range(n):
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")), 0)
+        async for _, out in merge_streams([stream]):
+            for seq in out.outputs:
+                j, finished = seq.index, seq.finish_reason is not None
+                if done[j] or (len(seq.token_ids) == sent_tokens[j] and not finished):
+                    continue
+                new_ids = seq.token_ids[sent_tokens[j]:]
+                delta = DeltaMessage(content=seq.text[sent_text[j]:])
+                logprobs = self._logprobs(job, new_ids, seq, sent_tokens[j])
+                sent_tokens[j], sent_text[j], done[j] = len(seq.token_ids), len(seq.text), finished
+                yield chunk(ChatStreamChoice(index=j, delta=delta, logprobs=logprobs,
+                                             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason),
+                            sent_tokens[j])
+        if include_usage:
+            yield sse(_chunk(job, [], usage(num_prompt, sum(sent_tokens))))
+
+
+def _chunk(job: _ChatJob, choices: list[ChatStreamChoice], chunk_usage: UsageInfo | None) -> ChatCompletionChunk:
+    return ChatCompletionChunk(id=job.request_id, model=job.model, choices=choices, usage=chunk_usage)

@@ -1,0 +1,63 @@
+"""Process helpers for tests that start workers or servers: free ports, liveness and descendants from /proc."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids still alive after waiting up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return [p for p in found if alive(p)]
+
+
+def spawned_workers(pid: int) -> list[int]:
+    """The multiprocessing-spawned processes below `pid` (not multiprocessing's resource tracker)."""
+    found = []
+    for child in descendants(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(child)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return found

@@ -1,0 +1,118 @@
+"""The app in-process (real engine, ASGI transport): engine failures, keyless access, entry points, units."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from conftest import REPO, child_env
+
+from strata.config import EngineConfig
+from strata.engine.async_engine import AsyncEngine
+from strata.errors import RequestError
+from strata.server.app import _resolve_model, _watch, build_app
+from strata.server.metrics import ServerMetrics
+from strata.server.protocol import ChatMessage
+from strata.server.serving_chat import parse_chat_messages
+
+
+@pytest.fixture
+def engine(server_checkpoint):
+    config = EngineConfig.create(str(server_checkpoint), max_model_len=128, kv_cache_memory=1 << 20,
+                                 served_model_name="inproc")
+    eng = AsyncEngine.from_config(config)
+    yield eng
+    eng.shutdown()
+
+
+def _break(engine: AsyncEngine) -> None:
+    def boom():
+        raise RuntimeError("boom: a worker fell over")
+
+    engine.engine.step = boom
+
+
+async def _post(app, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        return await c.post(path, json=body, headers=headers or {})
+
+
+async def _get(app, path: str) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        return await c.get(path)
+
+
+def test_engine_failure_is_500_then_health_and_new_requests_are_503(engine):
+    app = build_app(engine)
+    _break(engine)
+    response = asyncio.run(_post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 3}))
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "InternalServerError" and "boom" in error["message"] and error["code"] == 500
+    assert asyncio.run(_get(app, "/health")).status_code == 503
+    again = asyncio.run(_post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 3}))
+    assert again.status_code == 503 and again.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_engine_failure_while_streaming_sends_an_error_chunk_then_done(engine):
+    app = build_app(engine)
+    _break(engine)
+    response = asyncio.run(_post(app, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}))
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "Internal server error" in error["message"] and "boom" in error["message"]
+
+
+def test_without_api_key_an_empty_bearer_is_accepted(engine):
+    app = build_app(engine, argparse.Namespace(api_key=None, disable_log_requests=True))
+    response = asyncio.run(_post(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2},
+                                 headers={"Authorization": "Bearer"}))
+    assert response.status_code == 200 and response.json()["model"] == "inproc"
+
+
+def test_each_app_has_its_own_metrics_registry(engine):
+    first, second = ServerMetrics(engine, "a"), ServerMetrics(engine, "b")
+    first.generation_tokens.labels("a").inc(3)
+    assert b'strata:generation_tokens_total{model_name="a"} 3.0' in first.render()
+    assert b"generation_tokens_total{" not in second.render()
+
+
+def test_the_watchdog_stops_the_server_when_the_engine_dies():
+    class Stub:
+        started, should_exit, is_dead, dead_error = True, False, True, RuntimeError("gone")
+        config = argparse.Namespace(served_model_names=("m",), model=argparse.Namespace(path="p"))
+
+    stub = Stub()
+    asyncio.run(asyncio.wait_for(_watch(stub, stub, argparse.Namespace(host="127.0.0.1", port=1)), 5))
+    assert stub.should_exit
+
+
+def test_no_model_serves_the_demo_under_its_name(monkeypatch, tmp_path):
+    import strata.demo
+
+    monkeypatch.setattr(strata.demo, "demo_checkpoint_path", lambda: tmp_path)
+    args = argparse.Namespace(model=None, model_flag=None, served_model_name=None)
+    assert _resolve_model(args) == (str(tmp_path), ["strata-demo"])
+    args = argparse.Namespace(model=None, model_flag="/ckpt", served_model_name=["x"])
+    assert _resolve_model(args) == ("/ckpt", ["x"])
+
+
+def test_python_m_strata_server_takes_vllm_style_model_flag():
+    out = subprocess.run([sys.executable, "-m", "strata.server", "--help"], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--served-model-name" in out.stdout and "--api-key" in out.stdout
+
+
+def test_text_parts_are_joined_and_images_refused_for_text_models():
+    messages = [ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])]
+    assert parse_chat_messages(messages, multimodal=False) == [{"role": "user", "content": "a\nb"}]
+    image = [ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "data:,"}}])]
+    with pytest.raises(RequestError, match="text-only") as caught:
+        parse_chat_messages(image, multimodal=False)
+    assert caught.value.param == "messages.0.content.0"
