@@ -5,9 +5,19 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from checkpoints import write_tokenizer
 from safetensors.torch import save_file
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """These tiny models gain nothing from a second thread, which on a busy machine mostly waits for a core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def make_mamba2(folder: Path, *, vocab_size: int = 300, hidden_size: int = 64, num_layers: int = 3,
@@ -42,8 +52,10 @@ def make_mamba2(folder: Path, *, vocab_size: int = 300, hidden_size: int = 64, n
     return folder
 
 
-def plamo2_is_mamba(num_layers: int, mamba_step: int, i: int) -> bool:
+def plamo2_is_mamba(num_layers: int, mamba_step: int, i: int, enabled: bool = True) -> bool:
     """The layer pattern of the spec (1.2), written out here so that tests do not read it from strata."""
+    if not enabled:
+        return False
     if num_layers <= mamba_step // 2:
         return i != num_layers - 1
     return i % mamba_step != mamba_step // 2
@@ -53,7 +65,7 @@ def make_plamo2(folder: Path, *, vocab_size: int = 300, hidden_size: int = 64, n
                 mamba_step: int = 2, num_heads: int = 4, num_kv_heads: int = 1, head_dim: int = 16,
                 mamba_num_heads: int = 4, d_state: int = 16, d_conv: int = 4, intermediate_size: int = 128,
                 tied: bool = True, lm_head_rows: int | None = None, window: int = 2048, seed: int = 0,
-                full_attention_idx: list[int] | None = None) -> Path:
+                full_attention_idx: list[int] | None = None, mamba_enabled: bool = True) -> Path:
     """A random PLaMo2 in the HF checkpoint layout (interleaved in_proj, A_log, offset-form norms).
 
     `lm_head_rows` sets the stored rows of an untied head (HF pads it to a multiple of 16).
@@ -75,14 +87,15 @@ def make_plamo2(folder: Path, *, vocab_size: int = 300, hidden_size: int = 64, n
         weights[p + "mlp.gate_up_proj.weight"] = normal(2 * intermediate_size, d)
         weights[p + "mlp.down_proj.weight"] = normal(d, intermediate_size)
         m = p + "mixer."
-        if plamo2_is_mamba(num_layers, mamba_step, i):
+        if plamo2_is_mamba(num_layers, mamba_step, i, mamba_enabled):
             dt = torch.exp(torch.rand(mamba_num_heads, generator=gen) * (math.log(0.1) - math.log(0.001))
                            + math.log(0.001)).clamp(min=1e-4)
             dt_bias = dt + torch.log(-torch.expm1(-dt))
             dt_bias[::2] += 2.0  # strong decay on some heads
             weights.update({
                 m + "in_proj.weight": normal(2 * cm, d), m + "conv1d.weight": normal(cm, 1, d_conv, std=0.3),
-                m + "bcdt_proj.weight": normal(2 * d_state + rank, cm), m + "dt_proj.weight": normal(mamba_num_heads, rank),
+                m + "bcdt_proj.weight": normal(2 * d_state + rank, cm),
+                m + "dt_proj.weight": normal(mamba_num_heads, rank),
                 m + "dt_bias": dt_bias, m + "A_log": torch.log(torch.arange(1, mamba_num_heads + 1).float()),
                 m + "D": 1 + normal(mamba_num_heads, std=0.1), m + "dt_norm_weight": 1 + normal(rank, std=0.1),
                 m + "B_norm_weight": 1 + normal(d_state, std=0.1), m + "C_norm_weight": 1 + normal(d_state, std=0.1),
@@ -99,7 +112,7 @@ def make_plamo2(folder: Path, *, vocab_size: int = 300, hidden_size: int = 64, n
         "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
         "hidden_size_per_head": head_dim, "intermediate_size": intermediate_size, "mamba_d_state": d_state,
         "mamba_d_conv": d_conv, "mamba_num_heads": mamba_num_heads, "mamba_step": mamba_step,
-        "mamba_enabled": True, "mamba_chunk_size": 8, "rms_norm_eps": 1e-6, "vocab_size": vocab_size,
+        "mamba_enabled": mamba_enabled, "mamba_chunk_size": 8, "rms_norm_eps": 1e-6, "vocab_size": vocab_size,
         "max_position_embeddings": 10485760, "attention_window_size": window,
         "full_attention_idx": full_attention_idx or [], "tie_word_embeddings": tied, "bos_token_id": 0,
         "eos_token_id": 1, "pad_token_id": None, "torch_dtype": "float32"}

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -30,17 +30,23 @@ ASSISTANT = "<|assistant|>"
 SYSTEM = "<|system|>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, SYSTEM)
 
-# Each turn is `<|role|>\n{content}<|end_of_text|>\n`, so an assistant turn ends on EOS and generation stops.
+# Each turn is `<|role|>{content}<|end_of_text|>`, so an assistant turn ends on EOS and generation stops.
+# No newline after the role: a bare '\n' shared with code let memorised chat lines leak into completions.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
     "{{ raise_exception('strata-demo only knows the roles system, user and assistant') }}"
     "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+
+# Words keep the spaces that follow them ("def ", "import "), newlines keep the next line's indentation.
+# GPT-2's split puts the space before the word instead, so a prompt ending in a space ("def ") ends in a
+# lone ' ' token that clean code never contains, and the model has no idea what follows it.
+_PRE_TOKENIZE_PATTERN = r"\w+[ \t]*|[^\w\s]+[ \t]*|\s*[\r\n][ \t]*|\s+"
 
 # Directories whose sources are tests, third-party code or data tables rather than ordinary Python.
 _SKIP_DIRS = frozenset(
@@ -101,7 +107,10 @@ def stdlib_sources(max_bytes: int = 3_500_000, max_file_bytes: int = 150_000) ->
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     """Byte-level BPE with the demo's special tokens; encoding prepends BOS."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRE_TOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -153,8 +162,7 @@ def chat_examples(texts: Sequence[str], max_chars: int, seed: int) -> list[list[
 
 
 def token_stream(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str],
-                 conversations: Sequence[list[dict[str, str]]], seed: int,
-                 split_space_prob: float = 0.05) -> torch.Tensor:
+                 conversations: Sequence[list[dict[str, str]]], seed: int) -> torch.Tensor:
     """All documents, each as BOS ... EOS, shuffled and concatenated into one long sequence of ids."""
     # The backend tokenizer, because the wrapper warns about every file longer than model_max_length.
     backend = tokenizer.backend_tokenizer
@@ -162,32 +170,11 @@ def token_stream(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str],
     docs = [enc.ids + [eos_id] for enc in backend.encode_batch(list(texts))]
     rendered = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
     docs += [enc.ids for enc in backend.encode_batch(rendered, add_special_tokens=False)]
-    rng = random.Random(seed)
-    rng.shuffle(docs)
-    splits = space_splits(tokenizer)
-    stream = torch.tensor(
-        [piece for doc in docs for t in doc
-         for piece in (splits[t] if t in splits and rng.random() < split_space_prob else (t,))],
-        dtype=torch.long,
-    )
+    random.Random(seed).shuffle(docs)
+    stream = torch.tensor([t for doc in docs for t in doc], dtype=torch.long)
     logger.info("training stream: %d documents, %d tokens (%d chats)", len(docs), stream.numel(),
                 len(conversations))
     return stream
-
-
-def space_splits(tokenizer: PreTrainedTokenizerFast) -> dict[int, tuple[int, int]]:
-    """Token ' word' -> (' ', 'word') for every such pair in the vocabulary.
-
-    Prompts typed by people often end in a space ("def "), which BPE leaves as a lone ' ' token that
-    never occurs in clean training text; training on a few split words teaches what follows it.
-    """
-    vocab = tokenizer.get_vocab()
-    space = vocab["Ġ"]  # the byte-level alphabet's spelling of b" "
-    return {
-        idx: (space, vocab[tok[1:]])
-        for tok, idx in vocab.items()
-        if tok.startswith("Ġ") and len(tok) > 1 and tok[1:] in vocab
-    }
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:

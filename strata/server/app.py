@@ -120,7 +120,9 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None) -> Fa
     metrics = ServerMetrics(engine, names[0])
     log_requests = not getattr(args, "disable_log_requests", False)
     completions = CompletionServing(engine, metrics, log_requests)
-    chat = ChatServing(engine, metrics, log_requests, chat_template=config.chat_template)
+    chat = ChatServing(engine, metrics, log_requests, chat_template=config.chat_template,
+                       allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+                       allow_remote_media=getattr(args, "allow_remote_media", False))
 
     app = FastAPI(title="strata", version=__version__)
     app.state.engine, app.state.metrics = engine, metrics

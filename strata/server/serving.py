@@ -42,9 +42,13 @@ class Prepared:
 
     text: str | None
     token_ids: list[int]
+    mm_inputs: Any = None  # image tiles of a multimodal chat prompt
 
     def as_input(self) -> dict[str, Any]:
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        prompt = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        if self.mm_inputs is not None:
+            prompt["multi_modal_data"] = self.mm_inputs
+        return prompt
 
 
 class Serving:
@@ -103,8 +107,8 @@ class Serving:
 
     def prepare(self, prompt: str | list[int] | dict[str, Any]) -> Prepared:
         """Tokenize and validate now, so a bad prompt is a 400 even for a streamed request."""
-        text, token_ids, _ = self.engine.prepare_prompt(prompt)
-        return Prepared(text, token_ids)
+        text, token_ids, mm = self.engine.prepare_prompt(prompt)
+        return Prepared(text, token_ids, mm)
 
     def open_stream(self, request_id: str, prepared: Prepared, params: SamplingParams,
                     arrival: float) -> AsyncIterator[RequestOutput]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.errors import RequestError
+from strata.multimodal.chat import render_chat
 from strata.outputs import CompletionOutput, RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.server.protocol import (
@@ -31,40 +32,6 @@ from strata.server.serving import (
     sse_with_errors,
     usage,
 )
-from strata.tokenizer import apply_chat_template
-
-_IMAGE_PART_TYPES = {"image_url", "image", "input_image"}
-
-
-def parse_chat_messages(messages: list[ChatMessage], multimodal: bool) -> list[dict[str, Any]]:
-    """Messages as the chat template receives them; the one place message content parts are read.
-
-    Text parts are joined with newlines (as vLLM does). Image parts are refused for text-only models;
-    for multimodal models this is where they are to be collected and passed on with the prompt.
-    """
-    parsed = []
-    for i, message in enumerate(messages):
-        entry = message.model_dump(exclude_none=True)
-        content = message.content
-        if content is None:
-            entry["content"] = ""
-        elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                where = f"messages.{i}.content.{j}"
-                if part.type == "text":
-                    texts.append(part.text or "")
-                elif part.type in _IMAGE_PART_TYPES:
-                    if not multimodal:
-                        raise RequestError(f"{where} is an image, but this model is text-only and cannot read "
-                                           "images; send text content only", param=where)
-                    raise RequestError(f"{where}: image inputs are not supported by this server yet", param=where)
-                else:
-                    raise RequestError(f"{where} has unsupported content type {part.type!r} (supported: text)",
-                                       param=where)
-            entry["content"] = "\n".join(texts)
-        parsed.append(entry)
-    return parsed
 
 
 @dataclass
@@ -77,10 +44,12 @@ class _ChatJob:
 
 
 class ChatServing(Serving):
-    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, chat_template: str | None = None, allowed_local_media_path: str | None = None,
+                 allow_remote_media: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
-        self.multimodal = bool(self.engine.config.model.info.is_multimodal)
+        self.media_options = {"allowed_local_media_path": allowed_local_media_path,
+                              "allow_remote_media": allow_remote_media}
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: str | None = None,
@@ -92,10 +61,10 @@ class ChatServing(Serving):
                 raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
                                    param="continue_final_message")
             kwargs["continue_final_message"] = True
-        text = apply_chat_template(self.tokenizer, parse_chat_messages(messages, self.multimodal),
-                                   chat_template or self.chat_template, add_generation_prompt, **kwargs)
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        return Prepared(text, ids)
+        rendered = render_chat(self.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+                               self.engine.engine.mm_processor, chat_template or self.chat_template,
+                               add_generation_prompt, **self.media_options, **kwargs)
+        return Prepared(rendered.text, rendered.token_ids, rendered.mm_inputs)
 
     async def create(self, req: ChatCompletionRequest, disconnected: Disconnected | None = None
                      ) -> ChatCompletionResponse | AsyncIterator[str] | None:

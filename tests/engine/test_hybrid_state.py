@@ -6,10 +6,12 @@ import random
 
 import pytest
 import torch
-from mamba_checkpoints import StepRunner, make_mamba2, make_plamo2
+from mamba_checkpoints import StepRunner, make_mamba2, make_plamo2, one_torch_thread  # noqa: F401 (fixture)
 
 from strata import LLM, ConfigError, SamplingParams
 from strata.engine.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOL = 1e-4
 
@@ -57,6 +59,17 @@ def test_prefill_equals_prefix_prefill_then_token_by_token_decode(model, split):
     for pos in range(split, len(ids) - 1):
         rows.append(runner.step([("split", [ids[pos]], pos)])[0][0])
     assert (torch.stack(rows) - full[split - 1:-1]).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
+def test_bfloat16_decode_stays_close_to_bfloat16_prefill(plamo2, ssm_dtype):
+    ids = random_prompt(24, 77)
+    runner = StepRunner(plamo2, dtype="bfloat16", mamba_ssm_cache_dtype=ssm_dtype)
+    (full,) = runner.step([("full", ids, 0)])
+    runner.step([("split", ids[:8], 0)])
+    rows = [runner.step([("split", [ids[pos]], pos)])[0][0] for pos in range(8, len(ids))]
+    diff = (torch.stack(rows).float() - full[8:].float()).abs().max().item()
+    assert diff < 5e-2 * full.float().abs().max().item()
 
 
 def test_prefill_equals_prefill_of_chunks_not_aligned_to_the_scan_chunk(model):
@@ -133,6 +146,8 @@ def test_rounds_of_requests_with_aborts_leave_every_slot_and_block_free(model):
                 if out.finished:
                     results[out.request_id.split("-")[1]] = out.outputs[0].token_ids
         finished = {k: v for k, v in results.items() if f"{round_}-{k}" not in aborted}
+        assert len(finished) + len(aborted) == len(prompts)
+        assert all(len(v) == params[int(k)].max_tokens for k, v in finished.items())
         if first_round is None:
             first_round = finished
         else:  # a reused slot carries nothing over from its previous request
@@ -150,6 +165,14 @@ def test_ssm_state_dtype_follows_the_option(plamo2):
     default = StepRunner(plamo2, dtype="bfloat16").runner
     assert {m.ssm_state.dtype for m in default.mamba_layers} == {torch.float32}
     assert {m.conv_state.dtype for m in default.mamba_layers} == {torch.bfloat16}
+
+
+def test_ssm_state_dtype_flag_reaches_the_engine_config():
+    from strata.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["bench", "throughput", "--model", "m", "--input-len", "1", "--output-len", "1",
+                                      "--num-prompts", "1", "--mamba-ssm-cache-dtype", "bfloat16"])
+    assert engine_kwargs(args)["mamba_ssm_cache_dtype"] == "bfloat16"
 
 
 def test_attention_free_model_needs_no_kv_cache(mamba2):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mamba_checkpoints import StepRunner, make_mamba2
+from mamba_checkpoints import StepRunner, make_mamba2, one_torch_thread  # noqa: F401 (fixture)
 from transformers import AutoModelForCausalLM
 
 from strata import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT_LENGTHS = (1, 7, 37)
 

@@ -14,10 +14,10 @@ from conftest import REPO, child_env
 from strata.config import EngineConfig
 from strata.engine.async_engine import AsyncEngine
 from strata.errors import RequestError
+from strata.multimodal.chat import parse_message_content
 from strata.server.app import _resolve_model, _watch, build_app
 from strata.server.metrics import ServerMetrics
 from strata.server.protocol import ChatMessage
-from strata.server.serving_chat import parse_chat_messages
 
 
 @pytest.fixture
@@ -111,8 +111,11 @@ def test_python_m_strata_server_takes_vllm_style_model_flag():
 
 def test_text_parts_are_joined_and_images_refused_for_text_models():
     messages = [ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])]
-    assert parse_chat_messages(messages, multimodal=False) == [{"role": "user", "content": "a\nb"}]
+    dumped = [m.model_dump(exclude_none=True) for m in messages]
+    assert parse_message_content(dumped, parts_format=False, multimodal=False)[0] == [
+        {"role": "user", "content": "a\nb"}]
     image = [ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "data:,"}}])]
     with pytest.raises(RequestError, match="text-only") as caught:
-        parse_chat_messages(image, multimodal=False)
+        parse_message_content([m.model_dump(exclude_none=True) for m in image], parts_format=False,
+                              multimodal=False)
     assert caught.value.param == "messages.0.content.0"

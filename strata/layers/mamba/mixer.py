@@ -69,11 +69,9 @@ def sharded_param(pieces: Sequence[Piece], trailing: tuple[int, ...], pc: Parall
 class ShardedColumnLinear(nn.Module):
     """Column-parallel linear (no bias) whose output is several head-sharded pieces, e.g. [z | x | B | C | dt]."""
 
-    def __init__(self, in_features: int, pieces: Sequence[Piece], pc: ParallelContext, dtype: torch.dtype,
-                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(self, in_features: int, pieces: Sequence[Piece], pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
-        self.local_sizes = [size // units * units_per_rank(units, pc.tp_size) for size, units in pieces]
-        self.weight = sharded_param(pieces, (in_features,), pc, dtype, transform)
+        self.weight = sharded_param(pieces, (in_features,), pc, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -175,7 +173,9 @@ class MambaState(nn.Module):
             self.ssm_state.index_fill_(0, batch.fresh_slots, 0)
         nd = batch.num_decodes
         outs = []
-        if nd:
+        if nd and batch.decode_span:
+            outs.append(self._conv_decode_in_place(x[:nd], weight, bias, batch.decode_span))
+        elif nd:
             outs.append(causal_conv1d_update(x[:nd], self.conv_state, weight, bias, "silu", batch.decode_slots))
         if x.shape[0] > nd:
             out, final = causal_conv1d_varlen(x[nd:], weight, bias, batch.prefill_query_start,
@@ -205,6 +205,21 @@ class MambaState(nn.Module):
             outs.append(y)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+
+    def _conv_decode_in_place(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              span: tuple[int, int]) -> torch.Tensor:
+        """`causal_conv1d_update` for consecutive slots, on the [K-1, C] planes the states are stored as."""
+        rows = self.conv_state[span[0]:span[1]].transpose(1, 2)  # [B, K-1, C], each plane contiguous
+        w = weight.float()
+        u = x.float() * w[:, -1]
+        for k in range(rows.shape[1]):
+            u.addcmul_(rows[:, k].float(), w[:, k])
+        for k in range(rows.shape[1] - 1):  # ascending: each plane is read before it is overwritten
+            rows[:, k].copy_(rows[:, k + 1])
+        rows[:, -1].copy_(x)
+        if bias is not None:
+            u += bias.float()
+        return F.silu(u).to(x.dtype)
 
     def _decode_in_place(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                          D: torch.Tensor, z: torch.Tensor | None, dt_bias: torch.Tensor,
@@ -240,7 +255,9 @@ def allocate_states(layers: Sequence[MambaState], num_slots: int, conv_dtype: to
     """
     total = 0
     for layer in layers:
-        layer.conv_state = torch.empty((num_slots, *layer.conv_state_shape()), dtype=conv_dtype, device=device)
+        channels, width = layer.conv_state_shape()
+        # Stored [slots, K-1, C] (vLLM's layout), seen as [slots, C, K-1]: a decode step then updates whole planes.
+        layer.conv_state = torch.empty((num_slots, width, channels), dtype=conv_dtype, device=device).transpose(1, 2)
         layer.ssm_state = torch.empty((num_slots, *layer.ssm_state_shape()), dtype=ssm_dtype, device=device)
         total += layer.conv_state.nbytes + layer.ssm_state.nbytes
     return total

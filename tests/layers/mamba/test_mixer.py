@@ -1,0 +1,62 @@
+"""The mixer's decode paths (in place on consecutive slots, or gathered) against the kernels they stand in for,
+and its TP shard rule for units (heads, groups) fewer than the ranks."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from strata.executor.parallel import ParallelContext
+from strata.layers.mamba.causal_conv1d import causal_conv1d_update
+from strata.layers.mamba.mixer import MambaBatch, MambaState, allocate_states, shard_units
+from strata.layers.mamba.state_update import selective_state_update
+
+H, P, N, C, K, SLOTS = 4, 8, 6, 32, 4, 8
+
+
+def batch_for(slots: list[int]) -> MambaBatch:
+    n = len(slots)
+    meta = SimpleNamespace(attn=SimpleNamespace(num_decodes=n), state_slots=torch.tensor(slots),
+                           query_start_loc=torch.arange(n + 1), has_initial_state=torch.ones(n, dtype=torch.bool))
+    return MambaBatch.from_meta(meta)
+
+
+@pytest.mark.parametrize(("slots", "consecutive"), [([2, 3, 4], True), ([5, 1, 3], False)])
+@pytest.mark.parametrize("gate", [True, False])
+def test_decode_step_matches_the_kernels(slots, consecutive, gate):
+    gen = torch.Generator().manual_seed(0)
+    layer = MambaState(C, K, H, P, N)
+    allocate_states([layer], SLOTS, torch.float32, torch.float32, torch.device("cpu"))
+    layer.conv_state.copy_(torch.randn(SLOTS, C, K - 1, generator=gen))
+    layer.ssm_state.copy_(torch.randn(SLOTS, H, P, N, generator=gen))
+    conv_ref, ssm_ref = layer.conv_state.clone(), layer.ssm_state.clone()
+    b = len(slots)
+    x_conv, w, bias = torch.randn(b, C, generator=gen), torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
+    x, dt = torch.randn(b, H, P, generator=gen), torch.randn(b, H, generator=gen)
+    A, D, dt_bias = -torch.rand(H, generator=gen) - 0.1, torch.randn(H, generator=gen), torch.randn(H, generator=gen)
+    B, Cm = torch.randn(b, 1, N, generator=gen), torch.randn(b, 1, N, generator=gen)
+    z = torch.randn(b, H, P, generator=gen) if gate else None
+    batch = batch_for(slots)
+    assert (batch.decode_span is not None) == consecutive
+
+    index = torch.tensor(slots)
+    got_conv = layer.conv(x_conv, w, bias, batch)
+    want_conv = causal_conv1d_update(x_conv, conv_ref, w, bias, "silu", index)
+    got = layer.scan(x, dt, A, B, Cm, D, z, dt_bias, batch)
+    want = selective_state_update(ssm_ref, x, dt, A, B, Cm, D, z, dt_bias, True, (0.0, float("inf")), index)
+    assert torch.allclose(got_conv, want_conv, atol=1e-5)
+    assert torch.allclose(layer.conv_state, conv_ref, atol=1e-6)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(layer.ssm_state, ssm_ref, atol=1e-5)
+
+
+def test_units_split_across_ranks_or_held_whole_when_fewer_than_ranks():
+    rows = torch.arange(8).repeat_interleave(3)  # 8 units of 3 rows
+    parts = [shard_units(rows, 8, ParallelContext(tp_rank=r, tp_size=4)).unique().tolist() for r in range(4)]
+    assert parts == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    two = torch.arange(2).repeat_interleave(3)  # 2 units over 4 ranks: rank r holds unit r // 2
+    assert [shard_units(two, 2, ParallelContext(tp_rank=r, tp_size=4)).tolist() for r in range(4)] == [
+        [0, 0, 0], [0, 0, 0], [1, 1, 1], [1, 1, 1]]
+    with pytest.raises(ValueError, match="3 units"):
+        shard_units(torch.arange(6), 3, ParallelContext(tp_rank=0, tp_size=2))
