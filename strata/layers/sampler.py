@@ -81,6 +81,8 @@ class Sampler:
         cdf = probs.cumsum(-1)
         sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
         sampled = sampled.clamp_(max=probs.shape[1] - 1)
+        if not any(r.params.greedy for r in rows):
+            return sampled
         greedy = torch.tensor([r.params.greedy for r in rows], device=device)
         return torch.where(greedy, logits.argmax(-1), sampled)
 
