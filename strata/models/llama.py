@@ -10,15 +10,11 @@ from strata.config import HFConfig, ModelConfig
 from strata.executor.parallel import ParallelContext, pp_layer_range
 from strata.layers.activation import silu_and_mul
 from strata.layers.attention import Attention, AttentionMetadata
-from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models import loader
-
-
-class PPMissingLayer(nn.Identity):
-    """Stands where a layer of another pipeline stage would be, keeping global layer indices."""
+from strata.models.pipeline import on_stage, stage_embedding, stage_layers, stage_lm_head
 
 
 class LlamaMLP(nn.Module):
@@ -79,26 +75,15 @@ class LlamaModel(nn.Module):
                  layer_partition: tuple[int, ...] | None = None, prefix: str = "model") -> None:
         super().__init__()
         self.pc = pc
-        tied = cfg.get("tie_word_embeddings", False)
+        tied = bool(cfg.get("tie_word_embeddings", False))
         self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pc.pp_rank, pc.pp_size, layer_partition)
         self.missing_prefixes: list[str] = []
-        if pc.is_first_stage or (pc.is_last_stage and tied):
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pc, dtype)
-        else:
-            self.embed_tokens = PPMissingLayer()
-            self.missing_prefixes.append(f"{prefix}.embed_tokens")
-        self.layers = nn.ModuleList()
-        for i in range(cfg.num_hidden_layers):
-            if self.start <= i < self.end:
-                self.layers.append(LlamaDecoderLayer(cfg, pc, dtype))
-            else:
-                self.layers.append(PPMissingLayer())
-                self.missing_prefixes.append(f"{prefix}.layers.{i}")
-        if pc.is_last_stage:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-6), dtype)
-        else:
-            self.norm = PPMissingLayer()
-            self.missing_prefixes.append(f"{prefix}.norm")
+        missing = self.missing_prefixes
+        self.embed_tokens = stage_embedding(cfg, pc, dtype, f"{prefix}.embed_tokens", missing, tied)
+        self.layers = stage_layers(cfg.num_hidden_layers, self.start, self.end,
+                                   lambda i: LlamaDecoderLayer(cfg, pc, dtype), f"{prefix}.layers", missing)
+        self.norm = on_stage(pc.is_last_stage, lambda: RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-6), dtype),
+                             f"{prefix}.norm", missing)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 intermediate: dict[str, torch.Tensor] | None = None,
@@ -129,13 +114,7 @@ class LlamaForCausalLM(nn.Module):
         self.pc, self.tied = pc, bool(cfg.get("tie_word_embeddings", False))
         self.model = LlamaModel(cfg, pc, dtype, layer_partition)
         self.missing_prefixes = list(self.model.missing_prefixes)
-        if pc.is_last_stage:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pc, dtype)
-            if self.tied:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = PPMissingLayer()
-            self.missing_prefixes.append("lm_head")
+        self.lm_head = stage_lm_head(cfg, pc, dtype, self.model.embed_tokens, self.missing_prefixes, self.tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None,
                 inputs_embeds: torch.Tensor | None = None):

@@ -13,13 +13,12 @@ from strata.config import HFConfig, ModelConfig
 from strata.executor.parallel import ParallelContext, pp_layer_range
 from strata.layers.activation import silu_and_mul
 from strata.layers.attention import Attention, AttentionMetadata
-from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from strata.layers.moe import FusedMoE, expert_params_mapping
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models import loader
-from strata.models.llama import PPMissingLayer
+from strata.models.pipeline import on_stage, stage_embedding, stage_layers, stage_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -165,20 +164,14 @@ class Llama4TextModel(nn.Module):
         self.pc = pc
         self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pc.pp_rank, pc.pp_size, layer_partition)
         self.missing_prefixes: list[str] = []
-        tied = cfg.get("tie_word_embeddings", False)
-        if pc.is_first_stage or (pc.is_last_stage and tied):
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pc, dtype)
-        else:
-            self.embed_tokens = self._missing("embed_tokens")
-        self.layers = nn.ModuleList(
-            Llama4DecoderLayer(cfg, i, pc, dtype, quantization) if self.start <= i < self.end
-            else self._missing(f"layers.{i}") for i in range(cfg.num_hidden_layers))
-        self.norm = (RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-5), dtype) if pc.is_last_stage
-                     else self._missing("norm"))
-
-    def _missing(self, name: str) -> PPMissingLayer:
-        self.missing_prefixes.append(f"model.{name}")
-        return PPMissingLayer()
+        missing = self.missing_prefixes
+        tied = bool(cfg.get("tie_word_embeddings", False))
+        self.embed_tokens = stage_embedding(cfg, pc, dtype, "model.embed_tokens", missing, tied)
+        self.layers = stage_layers(cfg.num_hidden_layers, self.start, self.end,
+                                   lambda i: Llama4DecoderLayer(cfg, i, pc, dtype, quantization), "model.layers",
+                                   missing)
+        self.norm = on_stage(pc.is_last_stage, lambda: RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-5), dtype),
+                             "model.norm", missing)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 intermediate: dict[str, torch.Tensor] | None = None,
@@ -205,13 +198,7 @@ class Llama4ForCausalLM(nn.Module):
         self.num_experts = cfg.get("num_local_experts", 0)
         self.model = Llama4TextModel(cfg, pc, dtype, config.quantization, layer_partition)
         self.missing_prefixes = list(self.model.missing_prefixes)
-        if pc.is_last_stage:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pc, dtype)
-            if self.tied:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = PPMissingLayer()
-            self.missing_prefixes.append("lm_head")
+        self.lm_head = stage_lm_head(cfg, pc, dtype, self.model.embed_tokens, self.missing_prefixes, self.tied)
         self.stacked_params: loader.StackedMapping = expert_params_mapping(self.num_experts) + [
             (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
             (".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1),

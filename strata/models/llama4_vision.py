@@ -16,8 +16,8 @@ from strata.executor.parallel import ParallelContext
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from strata.layers.rotary import rope_parameters
 from strata.models import loader
-from strata.models.llama import PPMissingLayer
 from strata.models.llama4 import Llama4ForCausalLM
+from strata.models.pipeline import PPMissingLayer
 
 # transformers builds every vision LayerNorm with the default eps, whatever `norm_eps` says.
 _LAYER_NORM_EPS = 1e-5

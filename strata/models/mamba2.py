@@ -11,7 +11,6 @@ from torch import nn
 from strata.config import HFConfig, ModelConfig
 from strata.errors import UnsupportedModelError
 from strata.executor.parallel import ParallelContext, pp_layer_range
-from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import RowParallelLinear
 from strata.layers.mamba.mixer import (
     ConvWeights,
@@ -24,7 +23,7 @@ from strata.layers.mamba.mixer import (
 )
 from strata.layers.norm import RMSNorm
 from strata.models import loader
-from strata.models.llama import PPMissingLayer
+from strata.models.pipeline import on_stage, stage_embedding, stage_layers, stage_lm_head
 
 
 def _a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:
@@ -97,26 +96,16 @@ class Mamba2Model(nn.Module):
                  layer_partition: tuple[int, ...] | None = None, prefix: str = "backbone") -> None:
         super().__init__()
         self.pc, self.dtype = pc, dtype
-        tied = cfg.get("tie_word_embeddings", False)
+        tied = bool(cfg.get("tie_word_embeddings", False))
         self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pc.pp_rank, pc.pp_size, layer_partition)
         self.missing_prefixes: list[str] = []
-        if pc.is_first_stage or (pc.is_last_stage and tied):
-            self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pc, dtype)
-        else:
-            self.embeddings = PPMissingLayer()
-            self.missing_prefixes.append(f"{prefix}.embeddings")
-        self.layers = nn.ModuleList()
-        for i in range(cfg.num_hidden_layers):
-            if self.start <= i < self.end:
-                self.layers.append(Mamba2Block(cfg, pc, dtype))
-            else:
-                self.layers.append(PPMissingLayer())
-                self.missing_prefixes.append(f"{prefix}.layers.{i}")
-        if pc.is_last_stage:
-            self.norm_f = RMSNorm(cfg.hidden_size, cfg.get("layer_norm_epsilon", 1e-5), dtype)
-        else:
-            self.norm_f = PPMissingLayer()
-            self.missing_prefixes.append(f"{prefix}.norm_f")
+        missing = self.missing_prefixes
+        self.embeddings = stage_embedding(cfg, pc, dtype, f"{prefix}.embeddings", missing, tied)
+        self.layers = stage_layers(cfg.num_hidden_layers, self.start, self.end,
+                                   lambda i: Mamba2Block(cfg, pc, dtype), f"{prefix}.layers", missing)
+        self.norm_f = on_stage(pc.is_last_stage,
+                               lambda: RMSNorm(cfg.hidden_size, cfg.get("layer_norm_epsilon", 1e-5), dtype),
+                               f"{prefix}.norm_f", missing)
 
     def forward(self, input_ids: torch.Tensor, meta, intermediate: dict[str, torch.Tensor] | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -141,13 +130,7 @@ class Mamba2ForCausalLM(nn.Module):
         self.pc, self.tied = pc, bool(cfg.get("tie_word_embeddings", False))
         self.backbone = Mamba2Model(cfg, pc, dtype, layer_partition)
         self.missing_prefixes = list(self.backbone.missing_prefixes)
-        if pc.is_last_stage:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pc, dtype)
-            if self.tied:
-                self.lm_head.weight = self.backbone.embeddings.weight
-        else:
-            self.lm_head = PPMissingLayer()
-            self.missing_prefixes.append("lm_head")
+        self.lm_head = stage_lm_head(cfg, pc, dtype, self.backbone.embeddings, self.missing_prefixes, self.tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None,
                 inputs_embeds: torch.Tensor | None = None):

@@ -11,13 +11,13 @@ from strata.config import HFConfig, ModelConfig
 from strata.errors import UnsupportedModelError
 from strata.executor.parallel import ParallelContext, pp_layer_range
 from strata.layers.attention import Attention
-from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from strata.layers.mamba.mixer import ConvWeights, MambaBatch, MambaState, ShardedColumnLinear, sharded_param
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models import loader
-from strata.models.llama import LlamaMLP, PPMissingLayer
+from strata.models.llama import LlamaMLP
+from strata.models.pipeline import on_stage, stage_embedding, stage_layers, stage_lm_head
 
 # The checkpoint stores sandwich and final norms as offsets from these values; they are folded in at load.
 NORM_OFFSETS = {"pre_mixer_norm": 1.0, "post_mixer_norm": 0.2, "pre_mlp_norm": 1.0, "post_mlp_norm": 5 ** -1.5}
@@ -141,13 +141,8 @@ class Plamo2Decoder(nn.Module):
     def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype, start: int, end: int,
                  prefix: str, missing_prefixes: list[str]) -> None:
         super().__init__()
-        self.layers = nn.ModuleList()
-        for i in range(cfg.num_hidden_layers):
-            if start <= i < end:
-                self.layers.append(Plamo2DecoderLayer(cfg, pc, dtype, i))
-            else:
-                self.layers.append(PPMissingLayer())
-                missing_prefixes.append(f"{prefix}.layers.{i}")
+        self.layers = stage_layers(cfg.num_hidden_layers, start, end, lambda i: Plamo2DecoderLayer(cfg, pc, dtype, i),
+                                   f"{prefix}.layers", missing_prefixes)
 
 
 class Plamo2Model(nn.Module):
@@ -155,20 +150,13 @@ class Plamo2Model(nn.Module):
                  layer_partition: tuple[int, ...] | None = None, prefix: str = "model") -> None:
         super().__init__()
         self.pc = pc
-        tied = cfg.get("tie_word_embeddings", True)
+        tied = bool(cfg.get("tie_word_embeddings", True))
         self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pc.pp_rank, pc.pp_size, layer_partition)
         self.missing_prefixes: list[str] = []
-        if pc.is_first_stage or (pc.is_last_stage and tied):
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pc, dtype)
-        else:
-            self.embed_tokens = PPMissingLayer()
-            self.missing_prefixes.append(f"{prefix}.embed_tokens")
+        self.embed_tokens = stage_embedding(cfg, pc, dtype, f"{prefix}.embed_tokens", self.missing_prefixes, tied)
         self.layers = Plamo2Decoder(cfg, pc, dtype, self.start, self.end, f"{prefix}.layers", self.missing_prefixes)
-        if pc.is_last_stage:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-6), dtype)
-        else:
-            self.norm = PPMissingLayer()
-            self.missing_prefixes.append(f"{prefix}.norm")
+        self.norm = on_stage(pc.is_last_stage, lambda: RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-6), dtype),
+                             f"{prefix}.norm", self.missing_prefixes)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 intermediate: dict[str, torch.Tensor] | None = None,
@@ -203,13 +191,7 @@ class Plamo2ForCausalLM(nn.Module):
         self.tied = bool(cfg.get("tie_word_embeddings", True))
         self.model = Plamo2Model(cfg, pc, dtype, layer_partition)
         self.missing_prefixes = list(self.model.missing_prefixes)
-        if pc.is_last_stage:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pc, dtype)
-            if self.tied:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = PPMissingLayer()
-            self.missing_prefixes.append("lm_head")
+        self.lm_head = stage_lm_head(cfg, pc, dtype, self.model.embed_tokens, self.missing_prefixes, self.tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None,
                 inputs_embeds: torch.Tensor | None = None):
