@@ -18,6 +18,7 @@ from strata.layers.moe import FusedMoE, expert_params_mapping
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models import loader
+from strata.models.llama import LlamaModel
 from strata.models.pipeline import on_stage, stage_embedding, stage_layers, stage_lm_head
 
 logger = logging.getLogger(__name__)
@@ -173,20 +174,8 @@ class Llama4TextModel(nn.Module):
         self.norm = on_stage(pc.is_last_stage, lambda: RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-5), dtype),
                              "model.norm", missing)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: dict[str, torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
-        if self.pc.is_first_stage:
-            x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-            residual = None
-        else:
-            x, residual = intermediate["hidden_states"], intermediate["residual"]
-        for layer in self.layers[self.start:self.end]:
-            x, residual = layer(positions, x, residual, meta)
-        if not self.pc.is_last_stage:
-            return {"hidden_states": x, "residual": residual}
-        x, _ = self.norm(x, residual)
-        return x
+    # A pre-norm decoder stage runs exactly as Llama's does.
+    forward = LlamaModel.forward
 
 
 class Llama4ForCausalLM(nn.Module):
