@@ -51,7 +51,7 @@ _PRE_TOKENIZE_PATTERN = r"\w+[ \t]*|[^\w\s]+[ \t]*|\s*[\r\n][ \t]*|\s+"
 # Directories whose sources are tests, third-party code or data tables rather than ordinary Python.
 _SKIP_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings",
-     "pydoc_data", "lib2to3", "turtledemo", "config-3.11-x86_64-linux-gnu"}
+     "pydoc_data", "lib2to3", "turtledemo"}
 )
 # Varied and used sparingly: a single repeated sentence gets memorised and then leaks into plain completions.
 _SYSTEM_PROMPTS = (
@@ -64,7 +64,7 @@ _USER_PROMPTS = (
     "Show me {name} in Python.",
     "How would you implement {name}?",
 )
-# Sized so that ~700 steps fit in a few minutes on 2 CPU cores and the bf16 weights stay under 7 MB.
+# Sized so that 1400 steps of 8x128 tokens take ~4 minutes on 2 idle CPU cores and bf16 weights stay < 7 MB.
 _MODEL_SHAPE = dict(
     hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0,
@@ -193,7 +193,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausal
 
 
 def train_model(model: LlamaForCausalLM, stream: torch.Tensor, *, steps: int, seed: int,
-                batch_size: int = 8, seq_len: int = 256, lr: float = 3e-3) -> float:
+                batch_size: int = 8, seq_len: int = 128, lr: float = 2e-3) -> float:
     """AdamW on random windows of the stream with warm-up then cosine decay; returns the last loss."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -220,7 +220,7 @@ def train_model(model: LlamaForCausalLM, stream: torch.Tensor, *, steps: int, se
         value = loss.item()
         smoothed = value if math.isnan(smoothed) else 0.95 * smoothed + 0.05 * value
         bar.set_postfix(loss=f"{smoothed:.3f}")
-        if step % 50 == 0 or step == steps - 1:
+        if step % 100 == 0 or step == steps - 1:
             logger.info("step %d/%d loss %.3f (smoothed %.3f)", step + 1, steps, value, smoothed)
     model.eval()
     return smoothed
@@ -249,6 +249,10 @@ def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
         "add_eos_token": False, "tokenizer_class": "PreTrainedTokenizerFast",
         "additional_special_tokens": [USER, ASSISTANT, SYSTEM], "extra_special_tokens": None,
     })
+    for name in _CHECKPOINT_FILES:
+        if (output / name).exists():
+            # safetensors writes 0600; an installed package must be readable by every user.
+            (output / name).chmod(0o644)
     size = sum(p.stat().st_size for p in output.iterdir() if p.is_file())
     logger.info("saved %s (%.1f MB)", output, size / 1e6)
 
@@ -277,7 +281,7 @@ def sample_completions(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFa
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train the built-in strata-demo checkpoint.")
     parser.add_argument("--output", type=pathlib.Path, default=DEFAULT_OUTPUT)
-    parser.add_argument("--steps", type=int, default=700)
+    parser.add_argument("--steps", type=int, default=1400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
