@@ -101,12 +101,14 @@ def test_model_predicts_python_far_better_than_chance(demo):
 
 def test_greedy_generation_looks_like_python(demo):
     model, tokenizer = demo
+    after_def = _greedy(model, tokenizer, "def ")
+    # A function name, its parameter list opening, and more than a couple of distinct characters.
+    assert re.match(r"[A-Za-z_]\w*\(", after_def), after_def
+    assert len(set(after_def)) > 5, after_def
     after_class = _greedy(model, tokenizer, "class Reader:\n    def ")
-    # An identifier, then Python punctuation, and more than a couple of distinct characters.
-    assert re.match(r"[A-Za-z_]\w*", after_class), after_class
-    assert re.search(r"[():=.]", after_class) and len(set(after_class)) > 5, after_class
-    after_def = _greedy(model, tokenizer, "def read(self):\n", n=30)
-    assert re.search(r"\b(import|from|def|class|self|return|if|for)\b", after_def), after_def
+    assert re.match(r"[A-Za-z_]\w*\(", after_class), after_class
+    after_import = _greedy(model, tokenizer, "import os\n")
+    assert re.search(r"\b(import|from|def|class|self|return)\b", after_import), after_import
 
 
 def test_train_tokenizer_on_tiny_corpus():

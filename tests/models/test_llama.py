@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_forward import strata_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from strata import LLM, SamplingParams
-from strata.config import EngineConfig
-from strata.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
-from strata.executor.model_runner import ModelRunner
-from strata.executor.parallel import ParallelContext
 
 PROMPTS = [
     "def add(a, b):",
@@ -19,20 +16,6 @@ PROMPTS = [
     "class Engine:\n    def step(self):",
     "Paged attention stores keys and values in fixed size blocks. Paged attention stores",
 ]
-
-
-def strata_logits(model_path, token_ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one prompt, from strata's model runner (one forward pass)."""
-    config = EngineConfig.create(str(model_path), dtype="float32", device="cpu")
-    runner = ModelRunner(config, ParallelContext(), torch.device("cpu"))
-    runner.allocate_kv_cache(16)
-    blocks = list(range(-(-len(token_ids) // config.cache.block_size)))
-    step = SchedulerOutput([ScheduledRequest("r", token_ids, 0, blocks, True,
-                                             new=NewRequestData(SamplingParams(), token_ids))])
-    runner._update_states(step)
-    with torch.inference_mode():
-        input_ids, positions, meta = runner._prepare(step.requests)
-        return runner.model.compute_logits(runner.model(input_ids, positions, meta))
 
 
 @pytest.mark.parametrize("fixture", ["llama_gqa", "llama_tied"])

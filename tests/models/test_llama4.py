@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from llama4_checkpoints import TEXT_CONFIG, make_llama4_text, one_thread  # noqa: F401 (fixture)
+from model_forward import strata_logits
 from transformers import Llama4ForCausalLM as HFLlama4ForCausalLM
 from transformers import Llama4TextConfig
 
@@ -54,20 +55,6 @@ def fused_and_per_expert(tmp_path_factory):
 
 def hf_model(path) -> HFLlama4ForCausalLM:
     return HFLlama4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def strata_logits(path, token_ids: list[int], pc: ParallelContext | None = None) -> torch.Tensor:
-    """Logits of every position from one forward pass of strata's model runner."""
-    config = EngineConfig.create(str(path), dtype="float32", device="cpu")
-    runner = ModelRunner(config, pc or ParallelContext(), torch.device("cpu"))
-    runner.allocate_kv_cache(16)
-    blocks = list(range(-(-len(token_ids) // config.cache.block_size)))
-    step = SchedulerOutput([ScheduledRequest("r", token_ids, 0, blocks, True,
-                                             new=NewRequestData(SamplingParams(), token_ids))])
-    runner._update_states(step)
-    with torch.inference_mode():
-        input_ids, positions, meta = runner._prepare(step.requests)
-        return runner.model.compute_logits(runner.model(input_ids, positions, meta))
 
 
 def hf_greedy(model: HFLlama4ForCausalLM, ids: list[int], n: int) -> list[int]:
