@@ -16,6 +16,7 @@ from strata.config import EngineConfig
 from strata.engine.scheduler import ScheduledRequest, SchedulerOutput
 from strata.executor.parallel import ParallelContext
 from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
+from strata.layers.linear import pack_linear_weights
 from strata.layers.mamba.mixer import MambaState, allocate_states
 from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
 from strata.models import loader
@@ -67,16 +68,20 @@ class ModelRunner:
         self.model.load_weights(loader.iterate_weights(
             config.model.path, lambda name: loader.is_pp_missing(name, self.model.missing_prefixes)))
         self.model.eval()
+        self.weight_bytes = self._count_weight_bytes()  # before packing: packed weights have no data pointer
         logger.info("%s loaded %s (%.1f MB of weights on this rank) in %.1f s", pc.log_prefix,
                     config.model.architecture, self.weight_bytes / 2**20, time.monotonic() - started)
+        if device.type == "cpu":
+            extra = pack_linear_weights(self.model)
+            logger.info("%s linear weights packed for oneDNN%s", pc.log_prefix,
+                        f" (+{extra / 2**20:.1f} MB for the tied LM head's copy)" if extra else "")
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.mamba_layers = [m for m in self.model.modules() if isinstance(m, MambaState)]
 
-    @property
-    def weight_bytes(self) -> int:
+    def _count_weight_bytes(self) -> int:
         seen = {}
         for p in self.model.parameters():
             seen[p.data_ptr()] = p.numel() * p.element_size()

@@ -1,8 +1,9 @@
 """Paged attention: K/V are written into fixed-size blocks and read back through block tables.
 
 The runner orders each step's sequences decodes first (one query token each), then prefill chunks.
-Decodes are attended in one batched call over their gathered blocks; each prefill chunk is attended
-on its own, straight from this step's K/V when it has no earlier context.
+Decodes are attended in one call: on CPU by a kernel reading the blocks in place, elsewhere by SDPA over
+their gathered blocks; each prefill chunk is attended on its own, straight from this step's K/V when it
+has no earlier context.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from strata.layers import cpu_attention
 
 
 @dataclass
@@ -43,6 +46,21 @@ class AttentionMetadata:
             keys = torch.arange(length, device=self.decode_seq_lens.device)
             q_pos = (self.decode_seq_lens - 1).unsqueeze(1)
             self._masks[key] = _allowed(q_pos, keys.unsqueeze(0), window, chunk)[:, None, None, :]
+        return self._masks[key]
+
+    def decode_key_ranges(self, window: int | None, chunk: int | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int32 (block tables, first visible key, context length) of each decode, for the CPU kernel."""
+        key = ("ranges", window, chunk)
+        if key not in self._masks:
+            seq_lens = self.decode_seq_lens
+            first = torch.zeros_like(seq_lens)
+            if window is not None:
+                first = torch.clamp(seq_lens - window, min=0)
+            if chunk is not None:
+                first = torch.maximum(first, (seq_lens - 1) // chunk * chunk)
+            self._masks[key] = (self.decode_block_tables.to(torch.int32).contiguous(), first.to(torch.int32),
+                                seq_lens.to(torch.int32))
         return self._masks[key]
 
     def prefill_mask(self, index: int, window: int | None, chunk: int | None) -> torch.Tensor:
@@ -97,6 +115,13 @@ class Attention(nn.Module):
                                               enable_gqa=self.num_heads != self.num_kv_heads)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if cpu_attention.available(q, self.k_cache):
+            tables, first_keys, seq_lens = meta.decode_key_ranges(self.sliding_window, self.chunk_size)
+            return cpu_attention.paged_decode_attention(q, self.k_cache, self.v_cache, tables, first_keys,
+                                                        seq_lens, self.scale)
+        return self._decode_gathered(q, meta)
+
+    def _decode_gathered(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         b, length = meta.decode_block_tables.shape[0], meta.decode_block_tables.shape[1] * meta.block_size
         k = self.k_cache[meta.decode_block_tables].view(b, length, self.num_kv_heads, self.head_dim)
         v = self.v_cache[meta.decode_block_tables].view(b, length, self.num_kv_heads, self.head_dim)

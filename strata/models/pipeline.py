@@ -47,7 +47,7 @@ def stage_lm_head(cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype, embedd
     def make() -> ParallelLMHead:
         head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pc, dtype)
         if tied:
-            head.weight = embedding.weight
+            head.tie_to(embedding)
         return head
 
     return on_stage(pc.is_last_stage, make, "lm_head", missing)

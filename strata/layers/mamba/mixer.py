@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.executor.parallel import ParallelContext
-from strata.layers.linear import _copy_checked
+from strata.layers.linear import _copy_checked, _PackableLinear, linear
 from strata.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from strata.layers.mamba.ssd import discretize_dt, heads_by_group, ssd_chunk_scan_varlen
 from strata.layers.mamba.state_update import selective_state_update
@@ -66,7 +66,7 @@ def sharded_param(pieces: Sequence[Piece], trailing: tuple[int, ...], pc: Parall
     return param
 
 
-class ShardedColumnLinear(nn.Module):
+class ShardedColumnLinear(_PackableLinear):
     """Column-parallel linear (no bias) whose output is several head-sharded pieces, e.g. [z | x | B | C | dt]."""
 
     def __init__(self, in_features: int, pieces: Sequence[Piece], pc: ParallelContext, dtype: torch.dtype) -> None:
@@ -74,7 +74,7 @@ class ShardedColumnLinear(nn.Module):
         self.weight = sharded_param(pieces, (in_features,), pc, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class ConvWeights(nn.Module):

@@ -1,0 +1,78 @@
+"""The CPU decode-attention kernel reads the paged cache in place and equals attention over the gathered context."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.layers import cpu_attention
+from strata.layers.attention import Attention, AttentionMetadata
+
+pytestmark = pytest.mark.skipif(cpu_attention._library() is None, reason="no C compiler to build the kernel")
+
+
+def reference(q, k_cache, v_cache, tables, seq_lens, scale, window=None, chunk=None):
+    """Each sequence on its own in float64: its keys listed block by block, softmax, weighted values."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    outs = []
+    for s, length in enumerate(seq_lens.tolist()):
+        slots = torch.tensor([int(tables[s, t // block_size]) * block_size + t % block_size for t in range(length)])
+        k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        pos = torch.arange(length)
+        visible = torch.ones(length, dtype=torch.bool)
+        if window is not None:
+            visible &= length - 1 - pos < window
+        if chunk is not None:
+            visible &= pos // chunk == (length - 1) // chunk
+        scores = torch.einsum("hd,lhd->hl", q[s].double(), k) * scale
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hl,lhd->hd", weights, v))
+    return torch.stack(outs).float()
+
+
+def random_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * max_blocks + 3
+    # Blocks handed out in a shuffled order, as a long-running pool does.
+    order = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * max_blocks]
+    tables = order.view(len(seq_lens), max_blocks)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_kernel_equals_attention_over_the_listed_keys(num_heads, num_kv_heads, block_size):
+    seq_lens = [1, 7, 16, 17, 40, 3]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, num_heads, num_kv_heads, 32, block_size)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], block_size)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(None, None), 0.3)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,chunk", [(5, None), (None, 8), (12, 8)])
+def test_kernel_honours_sliding_windows_and_attention_chunks(window, chunk):
+    seq_lens = [1, 5, 6, 9, 16, 33]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 4, 2, 16, 4, seed=1)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], 4)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(window, chunk), 0.25)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.25, window, chunk)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_layer_decode_matches_the_gather_path():
+    seq_lens = [3, 20, 31]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, 4, 16, 8, seed=2)
+    layer = Attention(8, 4, 16, scale=0.25, sliding_window=10)
+    layer.k_cache, layer.v_cache = k_cache, v_cache
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], 8)
+    assert cpu_attention.available(q, k_cache)
+    torch.testing.assert_close(layer._decode(q, meta), layer._decode_gathered(q, meta), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_caches_use_the_gather_path():
+    q = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    assert not cpu_attention.available(q, torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16))
