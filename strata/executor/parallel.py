@@ -1,12 +1,15 @@
 """Rank layout, process groups, TP collectives, the PP layer partition and the hand-off between stages."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from strata.executor.shm_collectives import SharedMemoryChannel, SharedMemoryGroup
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,9 @@ class ParallelContext:
     pp_size: int = 1
     tp_group: Any = None  # torch ProcessGroup when tp_size > 1
     world_group: Any = None
+    tp_shm: Any = None  # SharedMemoryGroup when the TP group shares one machine's memory (CPU)
+    send_channel: Any = None  # SharedMemoryChannel to the next stage, when it is on this machine (CPU)
+    recv_channel: Any = None  # ... from the previous stage
 
     @property
     def rank(self) -> int:
@@ -37,7 +43,7 @@ class ParallelContext:
         return f"[tp{self.tp_rank} pp{self.pp_rank}]"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not (self.tp_shm is not None and self.tp_shm.all_reduce(x)):
             dist.all_reduce(x, group=self.tp_group)
         return x
 
@@ -45,6 +51,9 @@ class ParallelContext:
         """Concatenate every TP rank's `x` along `dim` (ordered by tp_rank)."""
         if self.tp_size == 1:
             return x
+        gathered = self.tp_shm.all_gather(x) if self.tp_shm is not None else None
+        if gathered is not None:
+            return torch.cat(gathered.unbind(0), dim=dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x, group=self.tp_group)
@@ -57,6 +66,9 @@ class ParallelContext:
     def send_intermediate(self, tensors: dict[str, torch.Tensor]) -> PendingSend:
         """Start sending this stage's output to the same TP rank of the next stage; wait() before reuse."""
         buffer = torch.stack([tensors[key] for key in INTERMEDIATE_KEYS]).contiguous()
+        if self.send_channel is not None and buffer.device.type == "cpu":
+            self.send_channel.send(buffer)
+            return PendingSend(None, buffer)
         work = dist.isend(buffer, self.stage_rank(self.pp_rank + 1), group=self.world_group)
         return PendingSend(work, buffer)
 
@@ -64,7 +76,10 @@ class ParallelContext:
                           device: torch.device) -> dict[str, torch.Tensor]:
         """The previous stage's (hidden_states, residual) for a step of `num_tokens` tokens."""
         buffer = torch.empty((len(INTERMEDIATE_KEYS), num_tokens, hidden_size), dtype=dtype, device=device)
-        dist.recv(buffer, self.stage_rank(self.pp_rank - 1), group=self.world_group)
+        if self.recv_channel is not None and device.type == "cpu":
+            self.recv_channel.recv(buffer)
+        else:
+            dist.recv(buffer, self.stage_rank(self.pp_rank - 1), group=self.world_group)
         return dict(zip(INTERMEDIATE_KEYS, buffer.unbind(0), strict=True))
 
 
@@ -74,18 +89,21 @@ INTERMEDIATE_KEYS = ("hidden_states", "residual")
 
 @dataclass
 class PendingSend:
-    """An isend in progress; the buffer must live until it completes."""
+    """An isend in progress (None: already copied out); the buffer must live until it completes."""
 
     work: Any
     buffer: torch.Tensor
 
     def wait(self) -> None:
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
 
 
 def init_distributed(rank: int, world_size: int, tp_size: int, store: dist.Store, backend: str,
-                     timeout: timedelta) -> ParallelContext:
-    """Join the torch.distributed world through `store` and build this rank's TP group."""
+                     timeout: timedelta, local_ranks: range | None = None) -> ParallelContext:
+    """Join the torch.distributed world through `store` and build this rank's TP group. On gloo, a TP group
+    whose ranks are all in `local_ranks` (this machine's), and stages next to each other on this machine,
+    talk through shared memory."""
     dist.init_process_group(backend, store=dist.PrefixStore("strata/pg/", store), rank=rank,
                             world_size=world_size, timeout=timeout)
     tp_rank, pp_rank = rank_layout(tp_size, rank)
@@ -96,7 +114,19 @@ def init_distributed(rank: int, world_size: int, tp_size: int, store: dist.Store
             group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
             if stage == pp_rank:
                 tp_group = group
-    return ParallelContext(tp_rank, tp_size, pp_rank, world_size // tp_size, tp_group, dist.group.WORLD)
+    pc = ParallelContext(tp_rank, tp_size, pp_rank, world_size // tp_size, tp_group, dist.group.WORLD)
+    if backend != "gloo" or local_ranks is None:
+        return pc
+    first, seconds = pp_rank * tp_size, timeout.total_seconds()
+    tp_shm = None
+    if tp_group is not None and first in local_ranks and first + tp_size - 1 in local_ranks:
+        tp_shm = SharedMemoryGroup.create(tp_rank, tp_size, tp_group, seconds)
+    send_to = pc.stage_rank(pp_rank + 1) if not pc.is_last_stage else None
+    recv_from = pc.stage_rank(pp_rank - 1) if not pc.is_first_stage else None
+    sending, receiving = SharedMemoryChannel.open_pair(
+        store, rank, send_to if send_to in local_ranks else None, recv_from if recv_from in local_ranks else None,
+        seconds)
+    return dataclasses.replace(pc, tp_shm=tp_shm, send_channel=sending, recv_channel=receiving)
 
 
 def rank_layout(tp_size: int, rank: int) -> tuple[int, int]:

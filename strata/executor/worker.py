@@ -174,7 +174,9 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         timeout = timedelta(seconds=spec.startup_timeout_s)
-        self.pc = init_distributed(spec.rank, par.world_size, par.tensor_parallel_size, store, spec.backend, timeout)
+        local_ranks = range(spec.rank - spec.local_rank, spec.rank - spec.local_rank + spec.num_local_ranks)
+        self.pc = init_distributed(spec.rank, par.world_size, par.tensor_parallel_size, store, spec.backend, timeout,
+                                   local_ranks)
         self.runner = ModelRunner(config, self.pc, self.device)
         self.hidden_size = config.model.text_config.hidden_size
         self.pending: PendingSend | None = None

@@ -1,5 +1,5 @@
 /* Decode attention read in place from the paged KV cache (CPU, float32): one query token per sequence.
-   Built on first use by strata/layers/cpu_attention.py; threads come from the OpenMP runtime torch loaded. */
+   Built on first use by strata/native.py, called from strata/layers/cpu_attention.py. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
