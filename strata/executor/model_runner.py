@@ -68,7 +68,9 @@ class ModelRunner:
         self.model.load_weights(loader.iterate_weights(
             config.model.path, lambda name: loader.is_pp_missing(name, self.model.missing_prefixes)))
         self.model.eval()
-        self.weight_bytes = self._count_weight_bytes()  # before packing: packed weights have no data pointer
+        # Before packing, which replaces weights with opaque oneDNN tensors (and renames an untied LM head's).
+        self.weight_bytes = self._count_weight_bytes()
+        self.param_names = [name for name, _ in self.model.named_parameters()]
         logger.info("%s loaded %s (%.1f MB of weights on this rank) in %.1f s", pc.log_prefix,
                     config.model.architecture, self.weight_bytes / 2**20, time.monotonic() - started)
         if device.type == "cpu":

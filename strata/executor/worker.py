@@ -197,7 +197,7 @@ class Worker:
             weight_bytes=runner.weight_bytes, kv_bytes_per_block=per_block,
             max_kv_blocks=kv_cache_blocks(config, per_block, self.device, spec.num_local_ranks),
             settings=shared_settings(config),
-            param_names=[name for name, _ in runner.model.named_parameters()])
+            param_names=runner.param_names)
         self.store.set(init_key(spec.rank), pickle.dumps(("ok", info)))
         num_blocks = int(self.store.get(NUM_BLOCKS_KEY))
         if num_blocks < 0:
