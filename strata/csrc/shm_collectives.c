@@ -91,6 +91,40 @@ int shm_all_reduce_f32(char *base, int rank, int size, int64_t slot_bytes, int64
     return 0;
 }
 
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Sums bfloat16 `x` over the ranks in place: in float32, in rank order, rounded once at the end. */
+int shm_all_reduce_bf16(char *base, int rank, int size, int64_t slot_bytes, int64_t *op, uint16_t *x, int64_t numel,
+                        double timeout_s) {
+    const int64_t per_op = slot_bytes / (int64_t)sizeof(uint16_t);
+    for (int64_t offset = 0; offset < numel; offset += per_op) {
+        const int64_t n = numel - offset < per_op ? numel - offset : per_op;
+        const int64_t current = ++*op;
+        memcpy(slot(base, size, slot_bytes, current, rank), x + offset, n * sizeof(uint16_t));
+        if (publish_and_wait(base, rank, size, current, timeout_s) != 0) return -1;
+        const uint16_t *first = (const uint16_t *)slot(base, size, slot_bytes, current, 0);
+        const int64_t stride = slot_bytes / (int64_t)sizeof(uint16_t); /* slot r of this buffer = first + r * stride */
+        for (int64_t i = 0; i < n; i++) {
+            float total = 0.f;
+            for (int r = 0; r < size; r++) total += bf16_to_f32(first[r * stride + i]);
+            x[offset + i] = f32_to_bf16(total);
+        }
+    }
+    return 0;
+}
+
 /* out = the `nbytes` of every rank's `x`, concatenated in rank order. */
 int shm_all_gather(char *base, int rank, int size, int64_t slot_bytes, int64_t *op, const char *x, int64_t nbytes,
                    char *out, double timeout_s) {

@@ -31,10 +31,10 @@ def _library() -> ctypes.CDLL | None:
     lib = native.load("shm_collectives")
     if lib is not None:
         p, i32, i64, f64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
-        lib.shm_all_reduce_f32.argtypes = [p, i32, i32, i64, p, p, i64, f64]
+        lib.shm_all_reduce_f32.argtypes = lib.shm_all_reduce_bf16.argtypes = [p, i32, i32, i64, p, p, i64, f64]
         lib.shm_all_gather.argtypes = [p, i32, i32, i64, p, p, i64, p, f64]
         lib.shm_send.argtypes = lib.shm_recv.argtypes = [p, i64, i64, p, p, i64, f64]
-        for fn in (lib.shm_all_reduce_f32, lib.shm_all_gather, lib.shm_send, lib.shm_recv):
+        for fn in (lib.shm_all_reduce_f32, lib.shm_all_reduce_bf16, lib.shm_all_gather, lib.shm_send, lib.shm_recv):
             fn.restype = ctypes.c_int
     return lib
 
@@ -89,10 +89,12 @@ class SharedMemoryGroup:
         _check(status, f"TP {what}", self.timeout_s)
 
     def all_reduce(self, x: torch.Tensor) -> bool:
-        """Sums `x` in place over the group; False (nothing done) for tensors it does not handle."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        """Sums `x` in place over the group (bfloat16 in float32, rounded once); False (nothing done) for
+        tensors it does not handle."""
+        reduce = {torch.float32: self.lib.shm_all_reduce_f32, torch.bfloat16: self.lib.shm_all_reduce_bf16}.get(x.dtype)
+        if reduce is None or x.device.type != "cpu" or not x.is_contiguous():
             return False
-        status = self.lib.shm_all_reduce_f32(self.base, self.rank, self.size, _SLOT_BYTES, ctypes.byref(self.op),
+        status = reduce(self.base, self.rank, self.size, _SLOT_BYTES, ctypes.byref(self.op),
                                              x.data_ptr(), x.numel(), self.timeout_s)
         self._check(status, "all-reduce")
         return True

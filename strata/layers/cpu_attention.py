@@ -1,4 +1,5 @@
-"""Decode attention straight from the paged KV cache on CPU, as a small C kernel compiled on first use.
+"""Decode attention straight from the paged KV cache on CPU, as a small C kernel compiled on first use
+(float32, or bfloat16 with float32 accumulation).
 
 Gathering every sequence's blocks into a padded batch for SDPA copies the whole context once per layer and
 step, which on CPU costs more than the attention itself; the kernel reads the blocks in place instead.
@@ -13,20 +14,23 @@ import torch
 
 from strata import native
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = native.load("cpu_attention")
     if lib is not None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.paged_decode_attention.argtypes = [pointer] * 6 + [i64] * 6 + [ctypes.c_float, pointer, ctypes.c_int]
+        lib.paged_decode_attention.argtypes = [pointer] * 6 + [i64] * 6 + [ctypes.c_float, pointer, ctypes.c_int,
+                                                                            ctypes.c_int]
         lib.paged_decode_attention.restype = ctypes.c_int
     return lib
 
 
 def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel can serve this layer's decodes (float32 on CPU, compiler present)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    """Whether the kernel can serve this layer's decodes (float32 or bfloat16 on CPU, compiler present)."""
+    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype
             and _library() is not None)
 
 
@@ -42,7 +46,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = _library().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), first_keys.data_ptr(),
         seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        scale, out.data_ptr(), torch.get_num_threads())
+        scale, out.data_ptr(), torch.get_num_threads(), int(q.dtype == torch.bfloat16))
     if status != 0:
         raise MemoryError("CPU attention kernel could not allocate its scratch memory")
     return out

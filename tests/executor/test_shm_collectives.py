@@ -37,12 +37,16 @@ def _rank_main(rank: int, world: int, port: int) -> None:
     for shape, dtype in [((3, 5), torch.float32), ((4, 2), torch.int64), ((2, 200_000), torch.float32)]:
         gathered = pc.all_gather(_tensor(rank, shape, dtype), dim=-1)
         assert torch.equal(gathered, torch.cat([_tensor(r, shape, dtype) for r in range(world)], dim=-1))
-    # bfloat16 is not handled by the shared segment; gloo sums it instead.
-    y = _tensor(rank, (16,), torch.bfloat16)
-    assert not pc.tp_shm.all_reduce(y.clone())
-    total = pc.all_reduce(y.clone()).float()
-    torch.testing.assert_close(total, sum(_tensor(r, (16,), torch.bfloat16).float() for r in range(world)),
-                               atol=0.1, rtol=0.02)
+    # bfloat16: summed in float32 in rank order, rounded once; beyond one slot too (600,000 x 2 bytes).
+    for shape in [(16,), (600_000,)]:
+        y = _tensor(rank, shape, torch.bfloat16)
+        expected = _tensor(0, shape, torch.bfloat16).float()
+        for r in range(1, world):
+            expected = expected + _tensor(r, shape, torch.bfloat16).float()
+        assert torch.equal(pc.all_reduce(y), expected.bfloat16())
+    # Other dtypes are left to gloo.
+    assert not pc.tp_shm.all_reduce(torch.ones(4, dtype=torch.float16))
+    assert torch.equal(pc.all_reduce(torch.ones(4, dtype=torch.float16)), torch.full((4,), float(world)).half())
     dist.destroy_process_group()
 
 

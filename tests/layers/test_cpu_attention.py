@@ -73,6 +73,17 @@ def test_attention_layer_decode_matches_the_gather_path():
     torch.testing.assert_close(layer._decode(q, meta), layer._decode_gathered(q, meta), atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_caches_use_the_gather_path():
-    q = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
-    assert not cpu_attention.available(q, torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16))
+def test_bfloat16_kernel_computes_in_float32_from_bfloat16_values():
+    seq_lens = [1, 9, 40]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, 2, 64, 16, seed=3)
+    q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], 16)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(None, None), 0.125)
+    assert out.dtype == torch.bfloat16
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.125)  # float64 math on the bfloat16 values
+    torch.testing.assert_close(out.float(), expected.bfloat16().float(), atol=0, rtol=2 ** -7)
+
+
+def test_float16_caches_use_the_gather_path():
+    q = torch.zeros(1, 2, 8, dtype=torch.float16)
+    assert not cpu_attention.available(q, torch.zeros(1, 4, 2, 8, dtype=torch.float16))
