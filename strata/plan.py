@@ -1,4 +1,5 @@
-"""`strata plan MODEL -tp T -pp P`: each rank's layers, weight bytes, KV-cache bytes and traffic, without workers.
+"""`strata plan MODEL -tp T -pp P`: each rank's layers, weight, KV-cache and Mamba-state bytes and traffic,
+without workers.
 
 Each rank's model is built on the meta device and "loaded" from the checkpoint's tensor shapes (read
 from the safetensors headers only), so the figures come from the same layers and weight loaders that
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from strata.executor.parallel import ParallelContext, pp_layer_range, rank_layou
 from strata.layers.attention import Attention
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import ColumnParallelLinear, RowParallelLinear
+from strata.layers.mamba.mixer import MambaState
 from strata.models import loader
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class RankPlan:
     layers: tuple[int, int]  # [start, end)
     param_bytes: int
     kv_bytes_per_1k_tokens: int
+    state_bytes_per_seq: int  # Mamba conv + SSM state slot
     has_embedding: bool
     has_lm_head: bool
     allreduce_count: int  # TP all-reduces per forward pass
@@ -77,10 +81,14 @@ def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
     size = torch.empty((), dtype=config.model.dtype).element_size()
     hidden = config.model.text_config.hidden_size
     reduces, reduce_bytes, gather_bytes = 0, 0, 0
-    kv_bytes = 0
+    kv_bytes = state_bytes = 0
+    ssm_size = torch.empty((), dtype=config.cache.ssm_state_dtype(config.model.dtype)).element_size()
     for module in model.modules():
         if isinstance(module, Attention):
             kv_bytes += 2 * module.num_kv_heads * module.head_dim * size * 1000
+        if isinstance(module, MambaState):
+            state_bytes += (math.prod(module.conv_state_shape()) * size
+                            + math.prod(module.ssm_state_shape()) * ssm_size)
         if tp == 1:
             continue
         if isinstance(module, ParallelLMHead):
@@ -97,7 +105,7 @@ def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
         rank=rank, node=rank // (par.world_size // par.nnodes), tp_rank=tp_rank, pp_rank=pp_rank,
         layers=pp_layer_range(config.model.num_layers, pp_rank, pp, par.pp_layer_partition),
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        kv_bytes_per_1k_tokens=kv_bytes,
+        kv_bytes_per_1k_tokens=kv_bytes, state_bytes_per_seq=state_bytes,
         has_embedding=bool(embeddings), has_lm_head=bool(heads),
         allreduce_count=reduces, allreduce_bytes_per_token=reduce_bytes,
         send_bytes_per_token=0 if pc.is_last_stage else 2 * hidden * size,
@@ -123,7 +131,7 @@ def format_plan(config: EngineConfig, plans: list[RankPlan]) -> str:
              f"pp={par.pipeline_parallel_size} = {par.world_size} ranks on {par.nnodes} node(s)",
              f"{'rank':>4} {'node':>4} {'tp':>3} {'pp':>3}  {'layers':<12} {'parameter bytes':>28}  "
              f"{'KV/1k tokens':>12}  {'embed':<5} {'lm_head':<7}  {'TP all-reduce/token':>22}  "
-             f"{'PP send/token':>13}"]
+             f"{'PP send/token':>13}" + (f"  {'state/seq':>10}" if any(p.state_bytes_per_seq for p in plans) else "")]
     for p in plans:
         layers = f"{p.layers[0]}-{p.layers[1] - 1} ({p.layers[1] - p.layers[0]})"
         params = f"{p.param_bytes:,} ({human(p.param_bytes)})"
@@ -131,7 +139,8 @@ def format_plan(config: EngineConfig, plans: list[RankPlan]) -> str:
         send = human(p.send_bytes_per_token) if p.send_bytes_per_token else "-"
         lines.append(f"{p.rank:>4} {p.node:>4} {p.tp_rank:>3} {p.pp_rank:>3}  {layers:<12} {params:>28}  "
                      f"{human(p.kv_bytes_per_1k_tokens):>12}  {'yes' if p.has_embedding else 'no':<5} "
-                     f"{'yes' if p.has_lm_head else 'no':<7}  {reduce:>22}  {send:>13}")
+                     f"{'yes' if p.has_lm_head else 'no':<7}  {reduce:>22}  {send:>13}"
+                     + (f"  {human(p.state_bytes_per_seq):>10}" if any(q.state_bytes_per_seq for q in plans) else ""))
     tokens = sched.max_num_batched_tokens
     worst_reduce = max(p.allreduce_bytes_per_token for p in plans)
     send = max(p.send_bytes_per_token for p in plans)

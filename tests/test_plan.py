@@ -63,6 +63,18 @@ def test_a_tied_lm_head_brings_the_embedding_to_the_last_stage(llama_tied):
     assert [(p.has_embedding, p.has_lm_head) for p in plans] == [(True, False), (False, False), (True, True)]
 
 
+def test_plan_shows_the_mamba_state_each_rank_keeps_per_sequence(tmp_path, capsys):
+    from mamba_checkpoints import StepRunner, make_plamo2
+
+    path = make_plamo2(tmp_path / "plamo2", num_layers=4, mamba_step=2)
+    whole = StepRunner(path, max_num_seqs=1).runner.state_bytes()  # what the engine allocates per slot
+    assert [p.state_bytes_per_seq for p in plan_layout(EngineConfig.create(str(path)))] == [whole]
+    split = plan_layout(EngineConfig.create(str(path), tensor_parallel_size=2, pipeline_parallel_size=2))
+    assert sum(p.state_bytes_per_seq for p in split) == whole  # heads split over TP, layers over PP
+    assert main(["plan", str(path), "-tp", "2"]) == 0
+    assert "state/seq" in capsys.readouterr().out
+
+
 def test_plan_refuses_a_checkpoint_whose_tensors_do_not_fit_the_config(llama5, tmp_path):
     folder = Path(shutil.copytree(llama5, tmp_path / "wrong"))
     config = json.loads((folder / "config.json").read_text())

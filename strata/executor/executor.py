@@ -15,13 +15,12 @@ logger = logging.getLogger(__name__)
 
 
 def kv_cache_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device,
-                    num_local_ranks: int = 1) -> int:
-    """How many KV blocks this rank gets: from kv_cache_memory, or a share of free (GPU) memory."""
+                    num_local_ranks: int = 1, state_bytes: int = 0) -> int:
+    """How many KV blocks this rank gets: from kv_cache_memory, or a share of free (GPU) memory, after the
+    Mamba state slots (`state_bytes`, one per schedulable sequence) have taken their part."""
     sched, bs = config.scheduler, config.cache.block_size
     # Never more than every sequence at full length could use.
     useful = config.scheduler.max_num_seqs * (-(-sched.max_model_len // bs) + 1)
-    if bytes_per_block == 0:
-        return useful
     budget = config.cache.kv_cache_memory
     if budget is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -29,6 +28,15 @@ def kv_cache_blocks(config: EngineConfig, bytes_per_block: int, device: torch.de
         budget = int(total * config.cache.gpu_memory_utilization - (total - free) - 0.05 * total)
     elif budget is None:
         budget = default_cpu_kv_cache_bytes(num_local_ranks)
+    if state_bytes and state_bytes > budget:
+        per_seq = state_bytes // sched.max_num_seqs
+        raise ConfigError(
+            f"the Mamba state of max_num_seqs={sched.max_num_seqs} sequences takes {state_bytes / 2**20:.1f} MiB, "
+            f"more than the cache budget of {budget / 2**20:.1f} MiB; lower --max-num-seqs to at most "
+            f"{budget // per_seq} or raise --kv-cache-memory / --gpu-memory-utilization", param="max_num_seqs")
+    budget -= state_bytes
+    if bytes_per_block == 0:
+        return useful
     num_blocks = min(budget // bytes_per_block, useful)
     needed = -(-sched.max_model_len // bs)
     if num_blocks < needed:
@@ -47,7 +55,8 @@ class UniprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         device = resolve_device(config.device)
         self.runner = ModelRunner(config, ParallelContext(), device)
-        self.num_kv_blocks = kv_cache_blocks(config, self.runner.kv_bytes_per_block(), device)
+        self.num_kv_blocks = kv_cache_blocks(config, self.runner.kv_bytes_per_block(), device,
+                                             state_bytes=self.runner.state_bytes())
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_kv_blocks,
                     config.cache.block_size, self.num_kv_blocks * self.runner.kv_bytes_per_block() / 2**20)

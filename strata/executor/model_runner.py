@@ -6,6 +6,7 @@ so each step's SchedulerOutput only carries what changed.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import torch
 from strata.config import EngineConfig
 from strata.engine.scheduler import ScheduledRequest, SchedulerOutput
 from strata.executor.parallel import ParallelContext
+from strata.layers import cpu_attention
 from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
 from strata.layers.linear import pack_linear_weights
 from strata.layers.mamba.mixer import MambaState, allocate_states
@@ -77,6 +79,7 @@ class ModelRunner:
             extra = pack_linear_weights(self.model)
             logger.info("%s linear weights packed for oneDNN%s", pc.log_prefix,
                         f" (+{extra / 2**20:.1f} MB for the tied LM head's copy)" if extra else "")
+            cpu_attention.prepare()  # a first-time compile belongs to start-up, not to the first request
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -92,6 +95,15 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         size = torch.empty((), dtype=self.config.model.dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * size for a in self.attention_layers)
+
+    def state_bytes(self) -> int:
+        """Bytes of the Mamba state slots (one per schedulable sequence) that allocate_kv_cache will bind."""
+        model_dtype = self.config.model.dtype
+        conv = torch.empty((), dtype=model_dtype).element_size()
+        ssm = torch.empty((), dtype=self.config.cache.ssm_state_dtype(model_dtype)).element_size()
+        per_slot = sum(math.prod(m.conv_state_shape()) * conv + math.prod(m.ssm_state_shape()) * ssm
+                       for m in self.mamba_layers)
+        return per_slot * self.config.scheduler.max_num_seqs
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # Uninitialised memory costs nothing until touched; each block is zeroed on its first use,

@@ -195,7 +195,7 @@ class Worker:
             layers=pp_layer_range(config.model.num_layers, self.pc.pp_rank, self.pc.pp_size,
                                   config.parallel.pp_layer_partition),
             weight_bytes=runner.weight_bytes, kv_bytes_per_block=per_block,
-            max_kv_blocks=kv_cache_blocks(config, per_block, self.device, spec.num_local_ranks),
+            max_kv_blocks=kv_cache_blocks(config, per_block, self.device, spec.num_local_ranks, runner.state_bytes()),
             settings=shared_settings(config),
             param_names=runner.param_names)
         self.store.set(init_key(spec.rank), pickle.dumps(("ok", info)))

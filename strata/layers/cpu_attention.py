@@ -28,6 +28,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def prepare() -> bool:
+    """Builds (first use on this machine) and loads the kernel; False when it cannot be built here."""
+    return _library() is not None
+
+
 def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel can serve this layer's decodes (float32 or bfloat16 on CPU, compiler present)."""
     return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype

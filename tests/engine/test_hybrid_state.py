@@ -115,8 +115,8 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(plamo2):
     prompts = token_prompts((20, 30, 40, 25, 35, 45), seed=200)
     expected = greedy(make_llm(plamo2), prompts, max_tokens=24)
     # 2 attention layers x 2 KV heads x 16 dims x 16 tokens x 2 (K, V) x 4 bytes = 8 KiB per block; 10 blocks hold
-    # two or three of these sequences at once.
-    llm = make_llm(plamo2, kv_cache_memory=10 * 8192, max_num_batched_tokens=32)
+    # two or three of these sequences at once, beside the state slots.
+    llm = make_llm(plamo2, kv_cache_memory=state_bytes(plamo2) + 10 * 8192, max_num_batched_tokens=32)
     assert greedy(llm, prompts, max_tokens=24) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.slots.num_free == llm.engine.scheduler.slots.num_slots
@@ -175,10 +175,24 @@ def test_ssm_state_dtype_flag_reaches_the_engine_config():
     assert engine_kwargs(args)["mamba_ssm_cache_dtype"] == "bfloat16"
 
 
+def state_bytes(path, max_num_seqs: int = 256) -> int:
+    return StepRunner(path, max_num_seqs=max_num_seqs).runner.state_bytes()
+
+
 def test_attention_free_model_needs_no_kv_cache(mamba2):
     runner = StepRunner(mamba2).runner
     assert runner.kv_bytes_per_block() == 0 and not runner.attention_layers
-    assert make_llm(mamba2, kv_cache_memory=1).engine.scheduler.kv.pool.num_blocks > 0
+    llm = make_llm(mamba2, kv_cache_memory=state_bytes(mamba2), max_num_seqs=256)
+    assert llm.engine.scheduler.kv.pool.num_blocks > 0
+
+
+def test_state_slots_are_paid_from_the_cache_budget(plamo2, mamba2):
+    block = StepRunner(plamo2).runner.kv_bytes_per_block()
+    llm = make_llm(plamo2, kv_cache_memory=state_bytes(plamo2, 8) + 12 * block, max_num_seqs=8)
+    assert llm.engine.scheduler.kv.pool.num_blocks == 12
+    with pytest.raises(ConfigError, match="max_num_seqs=8") as e:
+        make_llm(mamba2, kv_cache_memory=state_bytes(mamba2, 8) - 1, max_num_seqs=8)
+    assert e.value.param == "max_num_seqs" and "at most 7" in e.value.message
 
 
 def test_prefix_caching_is_off_for_hybrid_models(plamo2):
