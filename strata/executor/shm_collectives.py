@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 import tempfile
 import uuid
@@ -18,8 +17,6 @@ import torch
 import torch.distributed as dist
 
 from strata import native
-
-logger = logging.getLogger(__name__)
 
 _HEADER_BYTES = 4096  # as in the C source
 _SLOT_BYTES = 1 << 20  # per rank and buffer; larger tensors go through in several rounds
@@ -94,8 +91,8 @@ class SharedMemoryGroup:
         reduce = {torch.float32: self.lib.shm_all_reduce_f32, torch.bfloat16: self.lib.shm_all_reduce_bf16}.get(x.dtype)
         if reduce is None or x.device.type != "cpu" or not x.is_contiguous():
             return False
-        status = reduce(self.base, self.rank, self.size, _SLOT_BYTES, ctypes.byref(self.op),
-                                             x.data_ptr(), x.numel(), self.timeout_s)
+        status = reduce(self.base, self.rank, self.size, _SLOT_BYTES, ctypes.byref(self.op), x.data_ptr(), x.numel(),
+                        self.timeout_s)
         self._check(status, "all-reduce")
         return True
 
