@@ -35,7 +35,8 @@ def _cpu_signature() -> str:
 
 def _build(name: str, compiler: str) -> Path:
     source = _SOURCES / f"{name}.c"
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join([compiler, *_FLAGS]).encode(),
+    headers = [h.read_bytes() for h in sorted(_SOURCES.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join([compiler, *_FLAGS]).encode(),
                                      platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if target.exists():

@@ -5,21 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef uint16_t bf16;
-
-static inline float bf16_to_f32(bf16 h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline bf16 f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40); /* NaN stays NaN */
-    return (bf16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 /* One sequence's KV heads [h0, h0 + num_kv) and their query heads attend keys [lo, hi). Whole token rows
    (all those heads at once) are read in cache order: a row per head would jump a page per token and leave

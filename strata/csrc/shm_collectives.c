@@ -16,6 +16,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "bf16.h"
+
 #define HEADER_BYTES 4096
 #define FLAG_STRIDE 8 /* int64s per rank: one cache line each, so ranks do not share lines */
 
@@ -89,20 +91,6 @@ int shm_all_reduce_f32(char *base, int rank, int size, int64_t slot_bytes, int64
         }
     }
     return 0;
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 /* Sums bfloat16 `x` over the ranks in place: in float32, in rank order, rounded once at the end. */
