@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import tempfile
 import uuid
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from strata import native
+
+logger = logging.getLogger(__name__)
 
 _HEADER_BYTES = 4096  # as in the C source
 _SLOT_BYTES = 1 << 20  # per rank and buffer; larger tensors go through in several rounds
@@ -41,9 +44,23 @@ def _new_segment_path() -> str:
     return os.path.join(folder, f"strata-{uuid.uuid4().hex}")
 
 
-def _create_segment(path: str, nbytes: int) -> None:
-    with open(path, "wb") as f:
-        f.truncate(nbytes)  # zeros: nothing published yet
+def _create_segment(path: str, nbytes: int) -> bool:
+    """A zero-filled segment (nothing published yet) with its memory reserved now: a full /dev/shm (64 MiB in
+    a default container) then fails here, instead of killing a rank with SIGBUS mid-step. False if so."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:  # no way to reserve here (not Linux): a sparse file
+            os.ftruncate(fd, nbytes)
+        return True
+    except OSError as e:
+        os.unlink(path)
+        logger.warning("no room for a %.0f MiB shared-memory segment in %s (%s); these ranks talk through gloo",
+                       nbytes / 2**20, os.path.dirname(path), e)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _map_segment(path: str, nbytes: int) -> torch.Tensor:
@@ -66,16 +83,19 @@ class SharedMemoryGroup:
     @classmethod
     def create(cls, rank: int, size: int, group: Any, timeout_s: float) -> SharedMemoryGroup | None:
         """Collective over `group`: rank 0 makes the segment, everyone maps it, then its name is removed
-        (the mappings keep it alive and nothing is left behind). None when the library cannot be built."""
+        (the mappings keep it alive and nothing is left behind). None when the library cannot be built or
+        shared memory has no room."""
         lib = _library()
         if lib is None:  # every rank of a machine decides alike
             return None
-        names = [_new_segment_path() if rank == 0 else None]
-        dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
         nbytes = _HEADER_BYTES + 2 * size * _SLOT_BYTES
+        names = [None]
         if rank == 0:
-            _create_segment(names[0], nbytes)
-        dist.barrier(group=group)
+            path = _new_segment_path()
+            names = [path if _create_segment(path, nbytes) else None]
+        dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
+        if names[0] is None:  # every rank of the group learns it together
+            return None
         segment = _map_segment(names[0], nbytes)
         dist.barrier(group=group)
         if rank == 0:
@@ -132,14 +152,16 @@ class SharedMemoryChannel:
         sending = receiving = None
         if send_to is not None:
             path = _new_segment_path()
-            _create_segment(path, nbytes)
-            sending = cls(lib, _map_segment(path, nbytes), timeout_s)
-            store.set(cls._key(rank, send_to), path)
+            if _create_segment(path, nbytes):
+                sending = cls(lib, _map_segment(path, nbytes), timeout_s)
+            store.set(cls._key(rank, send_to), path if sending is not None else "")  # "": the pair uses gloo
         if recv_from is not None:
             key = cls._key(recv_from, rank)
-            receiving = cls(lib, _map_segment(store.get(key).decode(), nbytes), timeout_s)
+            their_path = store.get(key).decode()
+            if their_path:
+                receiving = cls(lib, _map_segment(their_path, nbytes), timeout_s)
             store.set(key + "/mapped", "1")
-        if send_to is not None:
+        if sending is not None:
             store.get(cls._key(rank, send_to) + "/mapped")
             os.unlink(path)
         return sending, receiving

@@ -89,3 +89,29 @@ def _stages_main(rank: int, port: int) -> None:
 
 def test_stage_hand_off_through_shared_memory_is_exact_and_in_order():
     mp.spawn(_stages_main, args=(free_port(),), nprocs=2)
+
+
+def _no_room_main(rank: int, tp_size: int, port: int) -> None:
+    import errno
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    shm_collectives.os.posix_fallocate = full  # this process only
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
+    pc = init_distributed(rank, 2, tp_size, store, "gloo", timedelta(seconds=60), local_ranks=range(2))
+    assert pc.tp_shm is None and pc.send_channel is None and pc.recv_channel is None
+    if tp_size == 2:
+        torch.testing.assert_close(pc.all_reduce(_tensor(rank, (5,))), _tensor(0, (5,)) + _tensor(1, (5,)))
+    elif rank == 0:
+        pc.send_intermediate({"hidden_states": _tensor(0, (3, 4)), "residual": _tensor(1, (3, 4))}).wait()
+    else:
+        got = pc.recv_intermediate(3, 4, torch.float32, torch.device("cpu"))
+        assert torch.equal(got["hidden_states"], _tensor(0, (3, 4)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp_size", [2, 1])
+def test_a_full_shared_memory_falls_back_to_gloo(tp_size):
+    mp.spawn(_no_room_main, args=(tp_size, free_port()), nprocs=2)
