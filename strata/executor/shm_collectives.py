@@ -86,7 +86,7 @@ class SharedMemoryGroup:
         (the mappings keep it alive and nothing is left behind). None when the library cannot be built or
         shared memory has no room."""
         lib = _library()
-        if lib is None:  # every rank of a machine decides alike
+        if lib is None or size > _HEADER_BYTES // 64:  # every rank decides alike; one 64-byte flag per rank
             return None
         nbytes = _HEADER_BYTES + 2 * size * _SLOT_BYTES
         names = [None]
