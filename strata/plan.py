@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from strata.executor.parallel import ParallelContext, pp_layer_range, rank_layou
 from strata.layers.attention import Attention
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import ColumnParallelLinear, RowParallelLinear
-from strata.layers.mamba.mixer import MambaState
+from strata.layers.mamba.mixer import MambaState, state_bytes_per_slot
 from strata.models import loader
 
 logger = logging.getLogger(__name__)
@@ -81,14 +80,10 @@ def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
     size = torch.empty((), dtype=config.model.dtype).element_size()
     hidden = config.model.text_config.hidden_size
     reduces, reduce_bytes, gather_bytes = 0, 0, 0
-    kv_bytes = state_bytes = 0
-    ssm_size = torch.empty((), dtype=config.cache.ssm_state_dtype(config.model.dtype)).element_size()
+    kv_bytes = 0
     for module in model.modules():
         if isinstance(module, Attention):
             kv_bytes += 2 * module.num_kv_heads * module.head_dim * size * 1000
-        if isinstance(module, MambaState):
-            state_bytes += (math.prod(module.conv_state_shape()) * size
-                            + math.prod(module.ssm_state_shape()) * ssm_size)
         if tp == 1:
             continue
         if isinstance(module, ParallelLMHead):
@@ -105,7 +100,9 @@ def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
         rank=rank, node=rank // (par.world_size // par.nnodes), tp_rank=tp_rank, pp_rank=pp_rank,
         layers=pp_layer_range(config.model.num_layers, pp_rank, pp, par.pp_layer_partition),
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        kv_bytes_per_1k_tokens=kv_bytes, state_bytes_per_seq=state_bytes,
+        kv_bytes_per_1k_tokens=kv_bytes,
+        state_bytes_per_seq=state_bytes_per_slot([m for m in model.modules() if isinstance(m, MambaState)],
+                                                 config.model.dtype, config.cache.ssm_state_dtype(config.model.dtype)),
         has_embedding=bool(embeddings), has_lm_head=bool(heads),
         allreduce_count=reduces, allreduce_bytes_per_token=reduce_bytes,
         send_bytes_per_token=0 if pc.is_last_stage else 2 * hidden * size,

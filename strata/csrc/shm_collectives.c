@@ -67,10 +67,16 @@ static char *slot(char *base, int size, int64_t slot_bytes, int64_t op, int rank
     return base + HEADER_BYTES + ((op & 1) * size + rank) * slot_bytes;
 }
 
-static int publish_and_wait(char *base, int rank, int size, int64_t op, double timeout_s) {
+/* One operation: copies `nbytes` of `src` into this rank's slot, publishes it and waits for every rank.
+   Returns slot 0 of the operation's buffer (slot r lies r * slot_bytes further), or NULL on timeout. */
+static const char *exchange(char *base, int rank, int size, int64_t slot_bytes, int64_t *op, const void *src,
+                            int64_t nbytes, double timeout_s) {
+    const int64_t current = ++*op;
+    memcpy(slot(base, size, slot_bytes, current, rank), src, nbytes);
     int64_t *flags = (int64_t *)base;
-    __atomic_store_n(flags + rank * FLAG_STRIDE, op, __ATOMIC_RELEASE);
-    return wait_all(flags, size, op, timeout_s);
+    __atomic_store_n(flags + rank * FLAG_STRIDE, current, __ATOMIC_RELEASE);
+    if (wait_all(flags, size, current, timeout_s) != 0) return NULL;
+    return slot(base, size, slot_bytes, current, 0);
 }
 
 /* Sums float32 `x` over the ranks in place; every rank adds in rank order, so all get identical bits. */
@@ -79,13 +85,13 @@ int shm_all_reduce_f32(char *base, int rank, int size, int64_t slot_bytes, int64
     const int64_t per_op = slot_bytes / (int64_t)sizeof(float);
     for (int64_t offset = 0; offset < numel; offset += per_op) {
         const int64_t n = numel - offset < per_op ? numel - offset : per_op;
-        const int64_t current = ++*op;
-        memcpy(slot(base, size, slot_bytes, current, rank), x + offset, n * sizeof(float));
-        if (publish_and_wait(base, rank, size, current, timeout_s) != 0) return -1;
+        const float *parts = (const float *)exchange(base, rank, size, slot_bytes, op, x + offset,
+                                                     n * (int64_t)sizeof(float), timeout_s);
+        if (parts == NULL) return -1;
         float *out = x + offset;
-        memcpy(out, slot(base, size, slot_bytes, current, 0), n * sizeof(float));
+        memcpy(out, parts, n * sizeof(float));
         for (int r = 1; r < size; r++) {
-            const float *part = (const float *)slot(base, size, slot_bytes, current, r);
+            const float *part = parts + r * per_op;
 #pragma omp simd
             for (int64_t i = 0; i < n; i++) out[i] += part[i];
         }
@@ -99,14 +105,12 @@ int shm_all_reduce_bf16(char *base, int rank, int size, int64_t slot_bytes, int6
     const int64_t per_op = slot_bytes / (int64_t)sizeof(uint16_t);
     for (int64_t offset = 0; offset < numel; offset += per_op) {
         const int64_t n = numel - offset < per_op ? numel - offset : per_op;
-        const int64_t current = ++*op;
-        memcpy(slot(base, size, slot_bytes, current, rank), x + offset, n * sizeof(uint16_t));
-        if (publish_and_wait(base, rank, size, current, timeout_s) != 0) return -1;
-        const uint16_t *first = (const uint16_t *)slot(base, size, slot_bytes, current, 0);
-        const int64_t stride = slot_bytes / (int64_t)sizeof(uint16_t); /* slot r of this buffer = first + r * stride */
+        const uint16_t *parts = (const uint16_t *)exchange(base, rank, size, slot_bytes, op, x + offset,
+                                                           n * (int64_t)sizeof(uint16_t), timeout_s);
+        if (parts == NULL) return -1;
         for (int64_t i = 0; i < n; i++) {
             float total = 0.f;
-            for (int r = 0; r < size; r++) total += bf16_to_f32(first[r * stride + i]);
+            for (int r = 0; r < size; r++) total += bf16_to_f32(parts[r * per_op + i]);
             x[offset + i] = f32_to_bf16(total);
         }
     }
@@ -118,10 +122,9 @@ int shm_all_gather(char *base, int rank, int size, int64_t slot_bytes, int64_t *
                    char *out, double timeout_s) {
     for (int64_t offset = 0; offset < nbytes; offset += slot_bytes) {
         const int64_t n = nbytes - offset < slot_bytes ? nbytes - offset : slot_bytes;
-        const int64_t current = ++*op;
-        memcpy(slot(base, size, slot_bytes, current, rank), x + offset, n);
-        if (publish_and_wait(base, rank, size, current, timeout_s) != 0) return -1;
-        for (int r = 0; r < size; r++) memcpy(out + r * nbytes + offset, slot(base, size, slot_bytes, current, r), n);
+        const char *parts = exchange(base, rank, size, slot_bytes, op, x + offset, n, timeout_s);
+        if (parts == NULL) return -1;
+        for (int r = 0; r < size; r++) memcpy(out + r * nbytes + offset, parts + r * slot_bytes, n);
     }
     return 0;
 }

@@ -6,7 +6,6 @@ so each step's SchedulerOutput only carries what changed.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ from strata.executor.parallel import ParallelContext
 from strata.layers import cpu_attention
 from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
 from strata.layers.linear import pack_linear_weights
-from strata.layers.mamba.mixer import MambaState, allocate_states
+from strata.layers.mamba.mixer import MambaState, allocate_states, state_bytes_per_slot
 from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
 from strata.models import loader
 from strata.sampling_params import SamplingParams
@@ -98,11 +97,8 @@ class ModelRunner:
 
     def state_bytes(self) -> int:
         """Bytes of the Mamba state slots (one per schedulable sequence) that allocate_kv_cache will bind."""
-        model_dtype = self.config.model.dtype
-        conv = torch.empty((), dtype=model_dtype).element_size()
-        ssm = torch.empty((), dtype=self.config.cache.ssm_state_dtype(model_dtype)).element_size()
-        per_slot = sum(math.prod(m.conv_state_shape()) * conv + math.prod(m.ssm_state_shape()) * ssm
-                       for m in self.mamba_layers)
+        dtype = self.config.model.dtype
+        per_slot = state_bytes_per_slot(self.mamba_layers, dtype, self.config.cache.ssm_state_dtype(dtype))
         return per_slot * self.config.scheduler.max_num_seqs
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -102,9 +102,6 @@ class SharedMemoryGroup:
             os.unlink(names[0])
         return cls(lib, segment, rank, size, timeout_s)
 
-    def _check(self, status: int, what: str) -> None:
-        _check(status, f"TP {what}", self.timeout_s)
-
     def all_reduce(self, x: torch.Tensor) -> bool:
         """Sums `x` in place over the group (bfloat16 in float32, rounded once); False (nothing done) for
         tensors it does not handle."""
@@ -113,7 +110,7 @@ class SharedMemoryGroup:
             return False
         status = reduce(self.base, self.rank, self.size, _SLOT_BYTES, ctypes.byref(self.op), x.data_ptr(), x.numel(),
                         self.timeout_s)
-        self._check(status, "all-reduce")
+        _check(status, "TP all-reduce", self.timeout_s)
         return True
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -125,7 +122,7 @@ class SharedMemoryGroup:
         nbytes = x.numel() * x.element_size()
         status = self.lib.shm_all_gather(self.base, self.rank, self.size, _SLOT_BYTES, ctypes.byref(self.op),
                                          x.data_ptr(), nbytes, out.data_ptr(), self.timeout_s)
-        self._check(status, "all-gather")
+        _check(status, "TP all-gather", self.timeout_s)
         return out
 
 

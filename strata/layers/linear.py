@@ -42,7 +42,9 @@ def pack_linear_weights(model: nn.Module) -> int:
     return sum(module.pack_weight() for module in model.modules() if hasattr(module, "pack_weight"))
 
 
-class _PackableLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """A layer whose `weight` ([out, in]) only ever goes through `linear`, so it may be packed."""
+
     weight: nn.Parameter
 
     def pack_weight(self) -> int:
@@ -79,7 +81,7 @@ def shard_dim(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Ten
     return tensor.narrow(dim, rank * step, step)
 
 
-class ReplicatedLinear(_PackableLinear):
+class ReplicatedLinear(PackableLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -90,7 +92,7 @@ class ReplicatedLinear(_PackableLinear):
         return linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(_PackableLinear):
+class ColumnParallelLinear(PackableLinear):
     """Output features split across TP ranks; the output stays split unless `gather_output`."""
 
     def __init__(self, in_features: int, out_features: int, pc: ParallelContext, bias: bool = False,
@@ -165,7 +167,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split(self.sizes, dim=-1)
 
 
-class RowParallelLinear(_PackableLinear):
+class RowParallelLinear(PackableLinear):
     """Input features split across TP ranks; partial outputs are summed with an all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, pc: ParallelContext, bias: bool = False,

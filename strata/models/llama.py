@@ -50,14 +50,16 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype) -> None:
-        super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, pc, dtype)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, pc, dtype, cfg.get("mlp_bias", False))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+class PreNormDecoderLayer(nn.Module):
+    """Attention then a feed-forward block, each behind an RMSNorm that also adds the residual carried in
+    from the previous block. Subclasses build the modules and say which feed-forward block runs."""
+
+    self_attn: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +69,20 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.feed_forward_block(x), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(cfg, pc, dtype)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, pc, dtype, cfg.get("mlp_bias", False))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+
+    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
 
 
 class LlamaModel(nn.Module):

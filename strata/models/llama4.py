@@ -18,7 +18,7 @@ from strata.layers.moe import FusedMoE, expert_params_mapping
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models import loader
-from strata.models.llama import LlamaModel
+from strata.models.llama import LlamaModel, PreNormDecoderLayer
 from strata.models.pipeline import on_stage, stage_embedding, stage_layers, stage_lm_head
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Llama4Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class Llama4DecoderLayer(nn.Module):
+class Llama4DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: HFConfig, index: int, pc: ParallelContext, dtype: torch.dtype,
                  quantization: str | None) -> None:
         super().__init__()
@@ -145,15 +145,8 @@ class Llama4DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.feed_forward(x), residual
+    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(x)
 
 
 class Llama4TextModel(nn.Module):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.executor.parallel import ParallelContext
-from strata.layers.linear import _copy_checked, _PackableLinear, linear
+from strata.layers.linear import PackableLinear, _copy_checked, linear
 from strata.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from strata.layers.mamba.ssd import discretize_dt, heads_by_group, ssd_chunk_scan_varlen
 from strata.layers.mamba.state_update import selective_state_update
@@ -66,7 +66,7 @@ def sharded_param(pieces: Sequence[Piece], trailing: tuple[int, ...], pc: Parall
     return param
 
 
-class ShardedColumnLinear(_PackableLinear):
+class ShardedColumnLinear(PackableLinear):
     """Column-parallel linear (no bias) whose output is several head-sharded pieces, e.g. [z | x | B | C | dt]."""
 
     def __init__(self, in_features: int, pieces: Sequence[Piece], pc: ParallelContext, dtype: torch.dtype) -> None:
@@ -245,6 +245,12 @@ class MambaState(nn.Module):
         if z is not None:
             y.mul_(F.silu(z.float()))
         return y.to(x.dtype)
+
+
+def state_bytes_per_slot(layers: Sequence[MambaState], conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
+    """What one state slot (one sequence) costs over these layers: conv state plus SSM state."""
+    conv, ssm = (torch.empty((), dtype=d).element_size() for d in (conv_dtype, ssm_dtype))
+    return sum(math.prod(m.conv_state_shape()) * conv + math.prod(m.ssm_state_shape()) * ssm for m in layers)
 
 
 def allocate_states(layers: Sequence[MambaState], num_slots: int, conv_dtype: torch.dtype,

@@ -139,6 +139,14 @@ def _intra_chunk(
     return y, torch.matmul(b.transpose(2, 3), dxw.view(n, q, g, h // g * p).transpose(1, 2))
 
 
+def _chunk_decay(lam: torch.Tensor, groups: int, head_dim: int) -> torch.Tensor:
+    """exp(chunk total of Delta*A) from lam `[n, Q, H]`, laid out to broadcast against the transposed
+    states `[chunks, G, N, Hg*P]`."""
+    n, _, h = lam.shape
+    decay = torch.exp(lam[:, -1]).view(n, groups, 1, h // groups, 1)
+    return decay.expand(-1, -1, -1, -1, head_dim).flatten(3)
+
+
 def _pass_states(
     local_states: torch.Tensor,
     chunk_decay: torch.Tensor,
@@ -236,10 +244,7 @@ def ssd_chunk_scan_varlen(
         initial = local_states.new_zeros((num_seqs, *local_states.shape[1:]))
     else:
         initial = _transposed_states(initial_states.to(dtype), groups)
-    heads_per_group = num_heads // groups
-    # exp(chunk total of Delta*A), laid out to broadcast against the transposed states [chunks, G, N, Hg*P]
-    chunk_decay = torch.exp(lam[:, -1]).view(total_chunks, groups, 1, heads_per_group, 1)
-    chunk_decay = chunk_decay.expand(-1, -1, -1, -1, head_dim).flatten(3)
+    chunk_decay = _chunk_decay(lam, groups, head_dim)
     entering, final_states = _pass_states(local_states, chunk_decay, initial, num_chunks, first_chunk)
 
     y = _combine_outputs(y_chunks, entering, cc, lam)
