@@ -15,6 +15,7 @@ import torch
 from strata.config import EngineConfig
 from strata.engine.scheduler import ScheduledRequest, SchedulerOutput
 from strata.executor.parallel import ParallelContext
+from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
 from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
 from strata.layers.linear import pack_linear_weights
@@ -75,6 +76,7 @@ class ModelRunner:
         logger.info("%s loaded %s (%.1f MB of weights on this rank) in %.1f s", pc.log_prefix,
                     config.model.architecture, self.weight_bytes / 2**20, time.monotonic() - started)
         if device.type == "cpu":
+            keep_freed_host_memory()
             extra = pack_linear_weights(self.model)
             logger.info("%s linear weights packed for oneDNN%s", pc.log_prefix,
                         f" (+{extra / 2**20:.1f} MB for the tied LM head's copy)" if extra else "")

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-# Upper bound on elements of one [chunks, H, Q, Q] temporary; larger batches are processed in slices.
-_MAX_INTRA_CHUNK_ELEMENTS = 1 << 25
+# Upper bound on elements of one [pairs, Q, Q] decay temporary of the exact fallback; more run in slices.
+_MAX_DECAY_ELEMENTS = 1 << 24
 # Log-decays below this are clamped: exp(-60) < 1e-26 is invisible in float32 sums.
 _MIN_LOG_DECAY = -60.0
+# A chunk's decays exp(lam_t - lam_s) are split as exp(lam_t) * exp(-lam_s) when its total log-decay stays
+# within this: exp(-lam) <= exp(50) ~ 5e21 leaves float32 sixteen orders of magnitude for C B^T x.
+_MAX_SPLIT_LOG_DECAY = 50.0
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -48,23 +52,61 @@ def heads_by_group(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.repeat_interleave(num_heads // groups, dim=-2) if groups != num_heads else t
 
 
-def _chunk_layout(
-    query_start_loc: torch.Tensor, chunk_size: int
-) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Row of each token once each sequence is padded to whole chunks; chunk count and first chunk per seq."""
+@dataclass(frozen=True)
+class _ChunkLayout:
+    """Where each token goes once every sequence is cut into chunks of Q (the last one zero-padded).
+
+    Chunk j of every sequence that has one must form one slice, so that the inter-chunk pass steps all
+    sequences at once: when all sequences have the same number of chunks K they stay in order (chunk j
+    of each is every K-th chunk from j), otherwise chunks are ordered by position, then by sequence,
+    longest sequences first.
+    """
+
+    padded_rows: torch.Tensor  # [T] row of each token in the [chunks * Q] padded layout
+    order: torch.Tensor  # [S] sequence ids in the order of each position's slice
+    runs: list[range]  # per position j: the chunks at position j, of sequences order[0], order[1], ...
+    total_chunks: int
+    is_identity: bool  # padded layout == packed layout (all sequences whole chunks, in order)
+
+
+def _chunk_layout(query_start_loc: torch.Tensor, chunk_size: int) -> _ChunkLayout:
     starts = query_start_loc[:-1].tolist()
-    ends = query_start_loc[1:].tolist()
-    lengths = [e - s for s, e in zip(starts, ends, strict=True)]
+    lengths = [end - start for start, end in zip(starts, query_start_loc[1:].tolist(), strict=True)]
     num_chunks = [-(-n // chunk_size) for n in lengths]
-    first_chunk = [0] * len(lengths)
-    for i in range(1, len(lengths)):
-        first_chunk[i] = first_chunk[i - 1] + num_chunks[i - 1]
+    total = sum(num_chunks)
     device = query_start_loc.device
-    shifts = [f * chunk_size - s for f, s in zip(first_chunk, starts, strict=True)]
-    shift = torch.tensor(shifts, device=device, dtype=torch.long)
-    padded_rows = torch.arange(sum(lengths), device=device)
-    padded_rows += shift.repeat_interleave(torch.tensor(lengths, device=device, dtype=torch.long))
-    return padded_rows, num_chunks, first_chunk
+    seq_of_token = torch.repeat_interleave(torch.tensor(lengths, device=device, dtype=torch.long))
+    position = torch.arange(sum(lengths), device=device)
+    position -= torch.tensor(starts, device=device, dtype=torch.long)[seq_of_token]
+    if len(set(num_chunks)) == 1:
+        per_seq = num_chunks[0]
+        order = list(range(len(lengths)))
+        runs = [range(j, total, per_seq) for j in range(per_seq)]
+        chunk = seq_of_token * per_seq + position // chunk_size
+    else:
+        order = sorted(range(len(lengths)), key=lambda i: -num_chunks[i])
+        rank = [0] * len(lengths)
+        for r, i in enumerate(order):
+            rank[i] = r
+        runs, first = [], 0
+        for j in range(max(num_chunks, default=0)):
+            count = sum(1 for n in num_chunks if n > j)
+            runs.append(range(first, first + count))
+            first += count
+        run_first = torch.tensor([run.start for run in runs] or [0], device=device, dtype=torch.long)
+        chunk = run_first[position // chunk_size] + torch.tensor(rank, device=device, dtype=torch.long)[seq_of_token]
+    padded_rows = chunk * chunk_size + position % chunk_size
+    is_identity = len(set(num_chunks)) == 1 and total * chunk_size == sum(lengths)
+    return _ChunkLayout(padded_rows, torch.tensor(order, device=device), runs, total, is_identity)
+
+
+def _to_chunks(t: torch.Tensor, layout: _ChunkLayout, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, ...] -> zero-padded [chunks, Q, ...] in the compute dtype; may alias t."""
+    if layout.is_identity:
+        return t.to(dtype).view(layout.total_chunks, chunk_size, *t.shape[1:])
+    out = t.new_zeros((layout.total_chunks * chunk_size, *t.shape[1:]), dtype=dtype)
+    out.index_copy_(0, layout.padded_rows, t.to(dtype))
+    return out.view(layout.total_chunks, chunk_size, *t.shape[1:])
 
 
 # Internally a state is kept transposed and grouped, `[..., G, N, Hg*P]`, so that both the chunk end states
@@ -81,118 +123,101 @@ def _plain_states(states_t: torch.Tensor, heads: int) -> torch.Tensor:
     return states_t.view(s, g, n, heads // g, p).permute(0, 1, 3, 4, 2).reshape(s, heads, p, n)
 
 
-def _to_chunks(
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    padded_rows: torch.Tensor,
-    total_chunks: int,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zero-padded chunks: Delta*x `[n, H, Q, P]`, lam = cumsum of Delta*A `[n, Q, H]`, B and C `[n, G, Q, N]`.
+def _per_head_columns(per_head: torch.Tensor, groups: int, head_dim: int) -> torch.Tensor:
+    """`[n, H]` -> `[n, G, 1, Hg*P]`, to scale the columns of transposed states head by head."""
+    n, h = per_head.shape
+    return per_head.view(n, groups, 1, h // groups, 1).expand(-1, -1, -1, -1, head_dim).reshape(n, groups, 1, -1)
 
-    Padding with Delta = 0 and x = 0 keeps padded rows inert: decay exp(0) = 1 and no input.
+
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    # exp() landing in denormals is many times slower on CPU, and below exp(-60) adds nothing visible.
+    return log_decay.clamp(min=_MIN_LOG_DECAY).exp_()
+
+
+def _local_states(x: torch.Tensor, delta: torch.Tensor, lam: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each chunk's end state from a zero entering state, transposed: B^T @ (exp(lam_end - lam) Delta x).
+
+    x `[n, Q, H, P]`, delta and lam (inclusive cumsum of Delta*A) `[n, Q, H]`, b `[n, G, Q, N]`.
     """
-    dtype = compute_dtype(x)
-    num_tokens, num_heads, head_dim = x.shape
-
-    def chunked(t: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [n, Q, ...]; may alias t when nothing needs padding."""
-        if total_chunks * chunk_size == num_tokens:
-            return t.to(dtype).view(total_chunks, chunk_size, *t.shape[1:])
-        out = t.new_zeros((total_chunks * chunk_size, *t.shape[1:]), dtype=dtype)
-        out.index_copy_(0, padded_rows, t.to(dtype))
-        return out.view(total_chunks, chunk_size, *t.shape[1:])
-
-    delta_c = chunked(delta)
-    dx = x.new_empty((total_chunks, num_heads, chunk_size, head_dim), dtype=dtype)  # head-major for matmuls
-    torch.mul(chunked(x).transpose(1, 2), delta_c.transpose(1, 2)[..., None], out=dx)
-    lam = torch.cumsum(delta_c * A.to(dtype), dim=1)
-    bc, cc = (chunked(t).transpose(1, 2).contiguous() for t in (B, C))
-    return dx, lam, bc, cc
-
-
-def _intra_chunk(
-    dx: torch.Tensor, lam: torch.Tensor, b: torch.Tensor, c: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per chunk, with zero entering state: outputs `[n, H, Q, P]` and transposed end states.
-
-    dx = Delta * x `[n, H, Q, P]`, lam (inclusive cumsum of Delta*A) `[n, Q, H]`, b and c `[n, G, Q, N]`.
-    """
-    n, h, q, p = dx.shape
+    n, q, h, p = x.shape
     g = b.shape[1]
-    lam_h = lam.transpose(1, 2)
-    decay = lam_h[:, :, :, None] - lam_h[:, :, None, :]  # [n, H, t, s]
-    # Delta*A <= 0, so the causal (lower) part is <= 0 and the clamp to 0 only defuses the upper part, which
-    # could overflow; the causal mask is applied to the smaller C.B instead. Decays below exp(-60) add
-    # nothing visible, and exp producing denormals is many times slower on CPU.
-    decay.clamp_(min=_MIN_LOG_DECAY, max=0.0).exp_()
-    cb = torch.matmul(c, b.transpose(2, 3)).tril_()  # [n, G, t, s]
-    decay.view(n, g, h // g, q, q).mul_(cb[:, :, None])
-    y = torch.matmul(decay, dx)
-
-    to_end = torch.exp(lam[:, -1:] - lam)  # [n, Q, H]
-    dxw = dx.new_empty((n, q, h, p))  # token-major, so that each group's heads form one matrix
-    torch.mul(dx.transpose(1, 2), to_end[..., None], out=dxw)
-    return y, torch.matmul(b.transpose(2, 3), dxw.view(n, q, g, h // g * p).transpose(1, 2))
+    weight = _decay(lam[:, -1:] - lam).mul_(delta)
+    weighted = torch.mul(x, weight[..., None]).view(n, q, g, h // g * p).transpose(1, 2)
+    return torch.matmul(b.transpose(2, 3), weighted)
 
 
-def _chunk_decay(lam: torch.Tensor, groups: int, head_dim: int) -> torch.Tensor:
-    """exp(chunk total of Delta*A) from lam `[n, Q, H]`, laid out to broadcast against the transposed
-    states `[chunks, G, N, Hg*P]`."""
-    n, _, h = lam.shape
-    decay = torch.exp(lam[:, -1]).view(n, groups, 1, h // groups, 1)
-    return decay.expand(-1, -1, -1, -1, head_dim).flatten(3)
+def _as_slice(chunks: range) -> slice:
+    return slice(chunks.start, chunks.stop, chunks.step)
 
 
 def _pass_states(
-    local_states: torch.Tensor,
-    chunk_decay: torch.Tensor,
-    initial: torch.Tensor,
-    num_chunks: list[int],
-    first_chunk: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    local_states: torch.Tensor, chunk_decay: torch.Tensor, initial: torch.Tensor, layout: _ChunkLayout,
+    entering: torch.Tensor,
+) -> torch.Tensor:
     """Run the inter-chunk recurrence of all sequences side by side, one step per chunk position.
 
-    local_states `[chunks, ...]` and initial `[S, ...]` (same trailing shape), chunk_decay broadcastable to
-    a chunk's state = exp(sum of Delta*A over the chunk). Returns (entering state of every chunk, final
-    state of every sequence).
+    local_states `[chunks, G, N, Hg*P]`, chunk_decay (exp of a chunk's total Delta*A) broadcastable to it,
+    initial `[S, ...]` in sequence order. Writes every chunk's entering state into `entering` (a view into
+    the operand of the output product) and returns every sequence's final state, in sequence order.
     """
-    state = initial.clone()
-    entering = torch.empty_like(local_states)
-    device = local_states.device
-    for j in range(max(num_chunks, default=0)):
-        active = [i for i, n in enumerate(num_chunks) if n > j]
-        chunk_ids = torch.tensor([first_chunk[i] + j for i in active], device=device)
-        seq_ids = None if len(active) == len(num_chunks) else torch.tensor(active, device=device)
-        current = state if seq_ids is None else state.index_select(0, seq_ids)
-        entering.index_copy_(0, chunk_ids, current)
-        updated = local_states.index_select(0, chunk_ids)
-        updated.addcmul_(current, chunk_decay.index_select(0, chunk_ids))
-        if seq_ids is None:
-            state = updated
-        else:
-            state.index_copy_(0, seq_ids, updated)
-    return entering, state
+    final = initial.index_select(0, layout.order)
+    for j, run in enumerate(layout.runs):
+        current = entering[_as_slice(run)]
+        if j == 0:
+            current.copy_(final[: len(run)])
+        following = layout.runs[j + 1] if j + 1 < len(layout.runs) else range(0)
+        # The first `going_on` sequences of this run have a chunk at the next position; the rest end here.
+        going_on = len(following)
+        this, ending = _as_slice(run[:going_on]), _as_slice(run[going_on:])
+        torch.addcmul(local_states[this], chunk_decay[this], current[:going_on], out=entering[_as_slice(following)])
+        torch.addcmul(local_states[ending], chunk_decay[ending], current[going_on:], out=final[going_on : len(run)])
+    return final.index_select(0, torch.argsort(layout.order))
 
 
-def _combine_outputs(
-    y_intra: torch.Tensor, entering: torch.Tensor, c: torch.Tensor, lam: torch.Tensor
+def _exact_intra(
+    y: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, lam: torch.Tensor, cb: torch.Tensor,
+    pairs: torch.Tensor,
+) -> None:
+    """Add the within-chunk term of the (chunk, head) pairs `[m, 2]` whose decay cannot be split to
+    y `[n, Q, H, P]`, with the decay matrix itself: exp(lam_t - lam_s) * tril(C B^T)_ts @ (Delta x)_s."""
+    heads_per_group = x.shape[2] // cb.shape[1]
+    step = max(1, _MAX_DECAY_ELEMENTS // (x.shape[1] * x.shape[1]))
+    for lo in range(0, pairs.shape[0], step):
+        chunk, head = pairs[lo : lo + step].unbind(1)
+        lam_p = lam[chunk, :, head]  # [m, Q]
+        # The causal part is <= 0; the clamp to 0 only defuses the upper part, masked by tril(C B^T).
+        decay = _decay((lam_p[:, :, None] - lam_p[:, None, :]).clamp_(max=0.0))
+        decay.mul_(cb[chunk, head // heads_per_group])
+        dx = x[chunk, :, head] * delta[chunk, :, head][..., None]  # [m, Q, P]
+        y[chunk, :, head] += torch.matmul(decay, dx)
+
+
+def _chunk_outputs(
+    x: torch.Tensor, delta: torch.Tensor, lam: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+    right: torch.Tensor,
 ) -> torch.Tensor:
-    """Token-major `[chunks*Q, H, P]` outputs: y_intra `[n, H, Q, P]` + exp(lam_t) * C_t @ S_in^T.
+    """All outputs `[n, Q, H, P]`: exp(lam_t) * ([tril(C B^T) | C] @ [exp(-lam) Delta x ; S_in^T])_t.
 
-    entering `[n, G, N, Hg*P]` transposed entering states, c `[n, G, Q, N]`, lam `[n, Q, H]`.
+    The within-chunk decay exp(lam_t - lam_s) splits into exp(lam_t) * exp(-lam_s), so it needs no
+    per-head decay matrix: C B^T is shared by the heads of a group, and one product per chunk and group
+    covers every head and the entering state at once. Where a chunk's total log-decay is too large for
+    exp(-lam) in floating point, that head's part is computed with its decay matrix instead.
+    right `[n, G, Q + N, Hg*P]` arrives with its lower part (the entering states) filled in.
     """
-    n, h, q, p = y_intra.shape
-    g = c.shape[1]
-    # Accumulate into C @ S_in^T, which matmul already leaves token-major within each group: both updates
-    # then write a contiguous tensor (reading y_intra transposed), far cheaper than a transposing addcmul.
-    y = torch.matmul(c, entering).view(n, g, q, h // g, p)
-    y.mul_(torch.exp(lam).view(n, q, g, h // g, 1).transpose(1, 2))
-    y.add_(y_intra.view(n, g, h // g, q, p).transpose(2, 3))
-    return y.transpose(1, 2).reshape(n * q, h, p)  # a view when there is one group
+    n, q, h, p = x.shape
+    g = b.shape[1]
+    unsplit = lam[:, -1] < -_MAX_SPLIT_LOG_DECAY  # [n, H]
+    inflow = torch.exp(-lam).masked_fill_(unsplit[:, None], 0.0).mul_(delta)
+    top = right[:, :, :q].view(n, g, q, h // g, p).transpose(1, 2)
+    torch.mul(x.view(n, q, g, h // g, p), inflow.view(n, q, g, h // g, 1), out=top)
+    cb = torch.matmul(c, b.transpose(2, 3)).tril_()
+    y = torch.matmul(torch.cat([cb, c], dim=3), right).view(n, g, q, h // g, p)
+    out = x.new_empty((n, q, g, h // g, p))
+    torch.mul(y.transpose(1, 2), _decay(lam).view(n, q, g, h // g, 1), out=out)
+    out = out.view(n, q, h, p)
+    if unsplit.any():
+        _exact_intra(out, x, delta, lam, cb, unsplit.nonzero())
+    return out
 
 
 def ssd_chunk_scan_varlen(
@@ -221,35 +246,33 @@ def ssd_chunk_scan_varlen(
     Returns (y `[T, H, P]` in x's dtype, final_states `[S, H, P, N]` in the compute dtype).
     """
     num_heads, head_dim = x.shape[1], x.shape[2]
-    groups = B.shape[1]
+    groups, dstate = B.shape[1], B.shape[2]
     num_seqs = query_start_loc.numel() - 1
     dtype = compute_dtype(x)
-    padded_rows, num_chunks, first_chunk = _chunk_layout(query_start_loc, chunk_size)
-    total_chunks = sum(num_chunks)
-    if total_chunks == 0:
-        initial = x.new_zeros((num_seqs, num_heads, head_dim, B.shape[2]), dtype=dtype)
-        return x.new_empty(x.shape), initial if initial_states is None else initial_states.to(dtype).clone()
-
-    delta = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
-    dx, lam, bc, cc = _to_chunks(x, delta, A, B, C, padded_rows, total_chunks, chunk_size)
-    step = max(1, _MAX_INTRA_CHUNK_ELEMENTS // (num_heads * chunk_size * chunk_size))
-    parts = [
-        _intra_chunk(dx[lo : lo + step], lam[lo : lo + step], bc[lo : lo + step], cc[lo : lo + step])
-        for lo in range(0, total_chunks, step)
-    ]
-    y_chunks = torch.cat([y for y, _ in parts]) if len(parts) > 1 else parts[0][0]  # [chunks, H, Q, P]
-    local_states = torch.cat([st for _, st in parts]) if len(parts) > 1 else parts[0][1]
-
     if initial_states is None:
-        initial = local_states.new_zeros((num_seqs, *local_states.shape[1:]))
-    else:
-        initial = _transposed_states(initial_states.to(dtype), groups)
-    chunk_decay = _chunk_decay(lam, groups, head_dim)
-    entering, final_states = _pass_states(local_states, chunk_decay, initial, num_chunks, first_chunk)
+        initial_states = x.new_zeros((num_seqs, num_heads, head_dim, dstate), dtype=dtype)
+    layout = _chunk_layout(query_start_loc, chunk_size)
+    n, q = layout.total_chunks, chunk_size
+    if n == 0:
+        return x.new_empty(x.shape), initial_states.to(dtype).clone()
 
-    y = _combine_outputs(y_chunks, entering, cc, lam)
-    if total_chunks * chunk_size != x.shape[0]:
-        y = y.index_select(0, padded_rows)
+    delta = _to_chunks(discretize_dt(dt, dt_bias, dt_softplus, dt_limit), layout, q, dtype)
+    lam = torch.cumsum(delta * A.to(dtype), dim=1)  # [n, Q, H]
+    x_c = _to_chunks(x, layout, q, dtype)
+    b, c = (_to_chunks(t, layout, q, dtype).transpose(1, 2).contiguous() for t in (B, C))
+
+    right = x.new_empty((n, groups, q + dstate, num_heads // groups * head_dim), dtype=dtype)
+    final_states = _pass_states(
+        _local_states(x_c, delta, lam, b),
+        _per_head_columns(_decay(lam[:, -1]), groups, head_dim),
+        _transposed_states(initial_states.to(dtype), groups),
+        layout,
+        right[:, :, q:],
+    )
+    y = _chunk_outputs(x_c, delta, lam, b, c, right)
+    y = y.view(n * q, num_heads, head_dim)
+    if not layout.is_identity:
+        y = y.index_select(0, layout.padded_rows)
     if D is not None:
         y.addcmul_(x.to(dtype), D.to(dtype)[:, None])
     if z is not None:
@@ -301,6 +324,9 @@ def benchmark(
 
 
 if __name__ == "__main__":
+    from strata.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory()  # as the engine does on CPU
     for q in (64, 128, 256):
         chunked_s, sequential_s = benchmark(chunk_size=q)
         print(

@@ -79,8 +79,32 @@ def test_grouped_b_and_c_map_head_h_to_group_h_div_heads_per_group(groups):
     torch.testing.assert_close(final[0], final_ref, atol=1e-10, rtol=1e-10)
 
 
-def test_packed_sequences_equal_separate_runs_without_leakage():
-    lengths = [9, 1, 20]
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fast_and_slow_decaying_heads_both_equal_the_recurrence(dtype):
+    """Chunks whose total log-decay is small take the split-decay product, the others their exact decay
+    matrix; a batch mixing both, per head and per chunk, still equals the recurrence."""
+    lengths, chunk = [40, 23], 16
+    x, dt, A, B, C, D, dt_bias, _ = random_inputs(sum(lengths), H=4, G=2, dtype=dtype, seed=11)
+    A = torch.tensor([-0.05, -0.8, -8.0, -3000.0], dtype=dtype)
+    inits = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(dtype)
+    bounds = seq_bounds(lengths)
+    y, final = ssd_chunk_scan_varlen(x, dt, A, B, C, chunk, bounds, inits, D=D, dt_bias=dt_bias)
+    totals = []
+    for i in range(2):
+        part = slice(int(bounds[i]), int(bounds[i + 1]))
+        delta = reference_softplus(dt[part].double() + dt_bias.double()) * -A.double()
+        totals += [delta[lo : lo + chunk].sum(0) for lo in range(0, lengths[i], chunk)]
+        y_ref, final_ref = reference_scan(x[part], dt[part], A, B[part], C[part], inits[i], D=D, dt_bias=dt_bias)
+        torch.testing.assert_close(y[part].double(), y_ref, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(final[i].double(), final_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    totals = torch.stack(totals)
+    assert (totals[:, 2] < 50).any() and (totals[:, 2] > 50).any()  # one head has chunks of both kinds
+    assert bool(torch.isfinite(y).all()) and bool(torch.isfinite(final).all())
+
+
+# Unequal chunk counts; equal counts with padding; equal counts of whole chunks (no padding at all).
+@pytest.mark.parametrize("lengths", [[9, 1, 20], [16, 13, 9], [16, 16, 16]])
+def test_packed_sequences_equal_separate_runs_without_leakage(lengths):
     x, dt, A, B, C, D, dt_bias, _ = random_inputs(sum(lengths), H=4, G=2, seed=3)
     inits = torch.randn(3, 4, 3, 5, generator=torch.Generator().manual_seed(9))
     bounds = seq_bounds(lengths)
