@@ -15,9 +15,10 @@ import torch.nn.functional as F
 _MAX_DECAY_ELEMENTS = 1 << 24
 # Log-decays below this are clamped: exp(-60) < 1e-26 is invisible in float32 sums.
 _MIN_LOG_DECAY = -60.0
-# A chunk's decays exp(lam_t - lam_s) are split as exp(lam_t) * exp(-lam_s) when its total log-decay stays
-# within this: exp(-lam) <= exp(50) ~ 5e21 leaves float32 sixteen orders of magnitude for C B^T x.
-_MAX_SPLIT_LOG_DECAY = 50.0
+# A chunk's decays exp(lam_t - lam_s) are split as exp(lam_t - m) * exp(m - lam_s), m half the chunk's
+# total, when that total stays within this: factors within exp(+-50) ~ 5e21 leave float32 sixteen orders
+# of magnitude for C B^T x.
+_MAX_SPLIT_LOG_DECAY = 100.0
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -152,26 +153,22 @@ def _as_slice(chunks: range) -> slice:
 
 def _pass_states(
     local_states: torch.Tensor, chunk_decay: torch.Tensor, initial: torch.Tensor, layout: _ChunkLayout,
-    entering: torch.Tensor,
+    entering_scale: torch.Tensor, entering: torch.Tensor,
 ) -> torch.Tensor:
     """Run the inter-chunk recurrence of all sequences side by side, one step per chunk position.
 
-    local_states `[chunks, G, N, Hg*P]`, chunk_decay (exp of a chunk's total Delta*A) broadcastable to it,
-    initial `[S, ...]` in sequence order. Writes every chunk's entering state into `entering` (a view into
-    the operand of the output product) and returns every sequence's final state, in sequence order.
+    local_states `[chunks, G, N, Hg*P]`, chunk_decay (exp of a chunk's total Delta*A) and entering_scale
+    broadcastable to it, initial `[S, ...]` in sequence order. Writes every chunk's entering state times
+    entering_scale into `entering` (a view into the operand of the output product) and returns every
+    sequence's final state, in sequence order.
     """
-    final = initial.index_select(0, layout.order)
-    for j, run in enumerate(layout.runs):
-        current = entering[_as_slice(run)]
-        if j == 0:
-            current.copy_(final[: len(run)])
-        following = layout.runs[j + 1] if j + 1 < len(layout.runs) else range(0)
-        # The first `going_on` sequences of this run have a chunk at the next position; the rest end here.
-        going_on = len(following)
-        this, ending = _as_slice(run[:going_on]), _as_slice(run[going_on:])
-        torch.addcmul(local_states[this], chunk_decay[this], current[:going_on], out=entering[_as_slice(following)])
-        torch.addcmul(local_states[ending], chunk_decay[ending], current[going_on:], out=final[going_on : len(run)])
-    return final.index_select(0, torch.argsort(layout.order))
+    state = initial.index_select(0, layout.order)
+    for run in layout.runs:
+        # The first len(run) sequences (in layout.order) have a chunk at this position.
+        chunks, count = _as_slice(run), len(run)
+        torch.mul(state[:count], entering_scale[chunks], out=entering[chunks])
+        torch.addcmul(local_states[chunks], chunk_decay[chunks], state[:count], out=state[:count])
+    return state.index_select(0, torch.argsort(layout.order))
 
 
 def _exact_intra(
@@ -180,44 +177,62 @@ def _exact_intra(
 ) -> None:
     """Add the within-chunk term of the (chunk, head) pairs `[m, 2]` whose decay cannot be split to
     y `[n, Q, H, P]`, with the decay matrix itself: exp(lam_t - lam_s) * tril(C B^T)_ts @ (Delta x)_s."""
-    heads_per_group = x.shape[2] // cb.shape[1]
-    step = max(1, _MAX_DECAY_ELEMENTS // (x.shape[1] * x.shape[1]))
+    n, q, h, p = x.shape
+    heads_per_group = h // cb.shape[1]
+    step = max(1, _MAX_DECAY_ELEMENTS // (q * q))
+    offsets = torch.arange(q, device=x.device)
     for lo in range(0, pairs.shape[0], step):
         chunk, head = pairs[lo : lo + step].unbind(1)
-        lam_p = lam[chunk, :, head]  # [m, Q]
+        # Token row of each pair's tokens, and its row in the token-major [n * Q * H] layout: whole rows of
+        # P gather fast, unlike a [chunk, :, head] index.
+        tokens = (chunk[:, None] * q + offsets).flatten()
+        heads = head.repeat_interleave(q)
+        rows = tokens * h + heads
+        lam_p = lam.view(-1).index_select(0, rows).view(-1, q)  # [m, Q]
         # The causal part is <= 0; the clamp to 0 only defuses the upper part, masked by tril(C B^T).
         decay = _decay((lam_p[:, :, None] - lam_p[:, None, :]).clamp_(max=0.0))
-        decay.mul_(cb[chunk, head // heads_per_group])
-        dx = x[chunk, :, head] * delta[chunk, :, head][..., None]  # [m, Q, P]
-        y[chunk, :, head] += torch.matmul(decay, dx)
+        decay.mul_(cb.flatten(0, 1).index_select(0, chunk * cb.shape[1] + head // heads_per_group))
+        dx = x.view(n * q, h, p)[tokens, heads].view(-1, q, p)  # x may be a strided view of the input
+        dx.mul_(delta.view(-1).index_select(0, rows).view(-1, q, 1))
+        y.view(-1, p).index_add_(0, rows, torch.matmul(decay, dx).view(-1, p))
 
 
 def _chunk_outputs(
     x: torch.Tensor, delta: torch.Tensor, lam: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-    right: torch.Tensor,
+    right: torch.Tensor, split: torch.Tensor,
 ) -> torch.Tensor:
-    """All outputs `[n, Q, H, P]`: exp(lam_t) * ([tril(C B^T) | C] @ [exp(-lam) Delta x ; S_in^T])_t.
+    """All outputs `[n, Q, H, P]`: u_t * ([tril(C B^T) | C] @ [v Delta x ; exp(m) S_in^T])_t, where the
+    within-chunk decay exp(lam_t - lam_s) = u_t * v_s = exp(lam_t - m) * exp(m - lam_s).
 
-    The within-chunk decay exp(lam_t - lam_s) splits into exp(lam_t) * exp(-lam_s), so it needs no
-    per-head decay matrix: C B^T is shared by the heads of a group, and one product per chunk and group
-    covers every head and the entering state at once. Where a chunk's total log-decay is too large for
-    exp(-lam) in floating point, that head's part is computed with its decay matrix instead.
-    right `[n, G, Q + N, Hg*P]` arrives with its lower part (the entering states) filled in.
+    Split this way the decay needs no per-head matrix: C B^T is shared by the heads of a group, so one
+    product per chunk and group covers every head and the entering state at once. m is half the chunk's
+    total log-decay (per head); where that total is too large for the split in floating point (`split`
+    false, `[n, H]`), m = 0, v = 0, and that head's within-chunk term is computed with its decay matrix.
+    right `[n, G, Q + N, Hg*P]` arrives with its lower part (the scaled entering states) filled in.
     """
     n, q, h, p = x.shape
     g = b.shape[1]
-    unsplit = lam[:, -1] < -_MAX_SPLIT_LOG_DECAY  # [n, H]
-    inflow = torch.exp(-lam).masked_fill_(unsplit[:, None], 0.0).mul_(delta)
-    top = right[:, :, :q].view(n, g, q, h // g, p).transpose(1, 2)
-    torch.mul(x.view(n, q, g, h // g, p), inflow.view(n, q, g, h // g, 1), out=top)
+    m = _split_point(lam, split)[:, None]
     cb = torch.matmul(c, b.transpose(2, 3)).tril_()
-    y = torch.matmul(torch.cat([cb, c], dim=3), right).view(n, g, q, h // g, p)
+    if bool(split.any()):
+        inflow = torch.exp(m - lam).masked_fill_(~split[:, None], 0.0).mul_(delta)
+        top = right[:, :, :q].view(n, g, q, h // g, p).transpose(1, 2)
+        torch.mul(x.view(n, q, g, h // g, p), inflow.view(n, q, g, h // g, 1), out=top)
+        y = torch.matmul(torch.cat([cb, c], dim=3), right)
+    else:  # every head decays too fast within its chunks: only the entering states go through the product
+        y = torch.matmul(c, right[:, :, q:])
+    y = y.view(n, g, q, h // g, p)
     out = x.new_empty((n, q, g, h // g, p))
-    torch.mul(y.transpose(1, 2), _decay(lam).view(n, q, g, h // g, 1), out=out)
+    torch.mul(y.transpose(1, 2), _decay(lam - m).view(n, q, g, h // g, 1), out=out)
     out = out.view(n, q, h, p)
-    if unsplit.any():
-        _exact_intra(out, x, delta, lam, cb, unsplit.nonzero())
+    if not bool(split.all()):
+        _exact_intra(out, x, delta, lam, cb, (~split).nonzero())
     return out
+
+
+def _split_point(lam: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
+    """m `[n, H]`: half of each chunk's total log-decay where it is split, else 0."""
+    return torch.where(split, 0.5 * lam[:, -1], 0.0)
 
 
 def ssd_chunk_scan_varlen(
@@ -261,15 +276,17 @@ def ssd_chunk_scan_varlen(
     x_c = _to_chunks(x, layout, q, dtype)
     b, c = (_to_chunks(t, layout, q, dtype).transpose(1, 2).contiguous() for t in (B, C))
 
+    split = lam[:, -1] >= -_MAX_SPLIT_LOG_DECAY  # [n, H]
     right = x.new_empty((n, groups, q + dstate, num_heads // groups * head_dim), dtype=dtype)
     final_states = _pass_states(
         _local_states(x_c, delta, lam, b),
         _per_head_columns(_decay(lam[:, -1]), groups, head_dim),
         _transposed_states(initial_states.to(dtype), groups),
         layout,
+        _per_head_columns(torch.exp(_split_point(lam, split)), groups, head_dim),
         right[:, :, q:],
     )
-    y = _chunk_outputs(x_c, delta, lam, b, c, right)
+    y = _chunk_outputs(x_c, delta, lam, b, c, right, split)
     y = y.view(n * q, num_heads, head_dim)
     if not layout.is_identity:
         y = y.index_select(0, layout.padded_rows)

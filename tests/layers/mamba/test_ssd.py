@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from strata.layers.mamba.ssd import _MAX_SPLIT_LOG_DECAY as MAX_SPLIT
 from strata.layers.mamba.ssd import benchmark, ssd_chunk_scan_varlen
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -79,18 +80,33 @@ def test_grouped_b_and_c_map_head_h_to_group_h_div_heads_per_group(groups):
     torch.testing.assert_close(final[0], final_ref, atol=1e-10, rtol=1e-10)
 
 
+STEEPNESS = {
+    # Two packed sequences; one head has chunks of both kinds.
+    "mixed": ([40, 23], [-0.05, -0.8, -16.0, -3000.0]),
+    # One sequence of whole chunks (the packed input is used in place); no chunk can be split.
+    "all steep": ([64], [-300.0, -800.0, -16.0, -3000.0]),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fast_and_slow_decaying_heads_both_equal_the_recurrence(dtype):
+@pytest.mark.parametrize("case", list(STEEPNESS))
+def test_fast_and_slow_decaying_heads_both_equal_the_recurrence(case, dtype):
     """Chunks whose total log-decay is small take the split-decay product, the others their exact decay
-    matrix; a batch mixing both, per head and per chunk, still equals the recurrence."""
-    lengths, chunk = [40, 23], 16
-    x, dt, A, B, C, D, dt_bias, _ = random_inputs(sum(lengths), H=4, G=2, dtype=dtype, seed=11)
-    A = torch.tensor([-0.05, -0.8, -8.0, -3000.0], dtype=dtype)
-    inits = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(dtype)
+    matrix; batches mixing both, per head and per chunk, or with no split chunk at all, equal the
+    recurrence."""
+    lengths, decays = STEEPNESS[case]
+    chunk = 16
+    x, dt, _, B, C, D, dt_bias, _ = random_inputs(sum(lengths), H=4, G=2, dtype=dtype, seed=11)
+    A = torch.tensor(decays, dtype=dtype)
+    inits = torch.randn(len(lengths), 4, 3, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    inits = inits.to(dtype)
     bounds = seq_bounds(lengths)
-    y, final = ssd_chunk_scan_varlen(x, dt, A, B, C, chunk, bounds, inits, D=D, dt_bias=dt_bias)
+    # As in the models, x is a view into a wider projection, rows apart by more than H * P.
+    projection = torch.cat([x.flatten(1), torch.randn(sum(lengths), 7, dtype=dtype)], dim=1)
+    x_view = projection[:, : 4 * 3].view(sum(lengths), 4, 3)
+    y, final = ssd_chunk_scan_varlen(x_view, dt, A, B, C, chunk, bounds, inits, D=D, dt_bias=dt_bias)
     totals = []
-    for i in range(2):
+    for i in range(len(lengths)):
         part = slice(int(bounds[i]), int(bounds[i + 1]))
         delta = reference_softplus(dt[part].double() + dt_bias.double()) * -A.double()
         totals += [delta[lo : lo + chunk].sum(0) for lo in range(0, lengths[i], chunk)]
@@ -98,7 +114,10 @@ def test_fast_and_slow_decaying_heads_both_equal_the_recurrence(dtype):
         torch.testing.assert_close(y[part].double(), y_ref, atol=TOL[dtype], rtol=TOL[dtype])
         torch.testing.assert_close(final[i].double(), final_ref, atol=TOL[dtype], rtol=TOL[dtype])
     totals = torch.stack(totals)
-    assert (totals[:, 2] < 50).any() and (totals[:, 2] > 50).any()  # one head has chunks of both kinds
+    if case == "mixed":
+        assert (totals[:, 2] < MAX_SPLIT).any() and (totals[:, 2] > MAX_SPLIT).any()
+    else:
+        assert (totals > MAX_SPLIT).all()
     assert bool(torch.isfinite(y).all()) and bool(torch.isfinite(final).all())
 
 
