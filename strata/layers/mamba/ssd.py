@@ -19,6 +19,8 @@ _MIN_LOG_DECAY = -60.0
 # total, when that total stays within this: factors within exp(+-50) ~ 5e21 leave float32 sixteen orders
 # of magnitude for C B^T x.
 _MAX_SPLIT_LOG_DECAY = 100.0
+# Below this share of (chunk, head) pairs that can be split, all take the exact path (measured break-even).
+_MIN_SPLIT_SHARE = 0.5
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -277,6 +279,8 @@ def ssd_chunk_scan_varlen(
     b, c = (_to_chunks(t, layout, q, dtype).transpose(1, 2).contiguous() for t in (B, C))
 
     split = lam[:, -1] >= -_MAX_SPLIT_LOG_DECAY  # [n, H]
+    if float(split.float().mean()) < _MIN_SPLIT_SHARE:
+        split.zero_()  # the split product would be paid for all heads and serve few
     right = x.new_empty((n, groups, q + dstate, num_heads // groups * head_dim), dtype=dtype)
     final_states = _pass_states(
         _local_states(x_c, delta, lam, b),
