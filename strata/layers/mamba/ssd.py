@@ -232,6 +232,14 @@ def _chunk_outputs(
     return out
 
 
+def _splittable(lam: torch.Tensor) -> torch.Tensor:
+    """`[n, H]`: which (chunk, head) pairs take the split-decay product."""
+    split = lam[:, -1] >= -_MAX_SPLIT_LOG_DECAY
+    if float(split.float().mean()) < _MIN_SPLIT_SHARE:
+        split.zero_()  # the split product would be paid for all heads and serve few
+    return split
+
+
 def _split_point(lam: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
     """m `[n, H]`: half of each chunk's total log-decay where it is split, else 0."""
     return torch.where(split, 0.5 * lam[:, -1], 0.0)
@@ -278,9 +286,7 @@ def ssd_chunk_scan_varlen(
     x_c = _to_chunks(x, layout, q, dtype)
     b, c = (_to_chunks(t, layout, q, dtype).transpose(1, 2).contiguous() for t in (B, C))
 
-    split = lam[:, -1] >= -_MAX_SPLIT_LOG_DECAY  # [n, H]
-    if float(split.float().mean()) < _MIN_SPLIT_SHARE:
-        split.zero_()  # the split product would be paid for all heads and serve few
+    split = _splittable(lam)
     right = x.new_empty((n, groups, q + dstate, num_heads // groups * head_dim), dtype=dtype)
     final_states = _pass_states(
         _local_states(x_c, delta, lam, b),
