@@ -199,6 +199,22 @@ def _exact_intra(
         y.view(-1, p).index_add_(0, rows, torch.matmul(decay, dx).view(-1, p))
 
 
+def _exact_intra_all(
+    y: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, lam: torch.Tensor, cb: torch.Tensor
+) -> None:
+    """`_exact_intra` for every (chunk, head) pair, head-major instead of gathered, in slices of chunks."""
+    n, q, h, p = x.shape
+    g = cb.shape[1]
+    step = max(1, _MAX_DECAY_ELEMENTS // (h * q * q))
+    for lo in range(0, n, step):
+        part = slice(lo, lo + step)
+        lam_h = lam[part].transpose(1, 2).contiguous()  # [k, H, Q]
+        decay = _decay((lam_h[..., :, None] - lam_h[..., None, :]).clamp_(max=0.0))  # [k, H, t, s]
+        decay.view(-1, g, h // g, q, q).mul_(cb[part, :, None])
+        dx = torch.mul(x[part], delta[part, ..., None]).transpose(1, 2)  # [k, H, Q, P]
+        y[part] += torch.matmul(decay, dx).transpose(1, 2)
+
+
 def _chunk_outputs(
     x: torch.Tensor, delta: torch.Tensor, lam: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
     right: torch.Tensor, split: torch.Tensor,
@@ -227,7 +243,9 @@ def _chunk_outputs(
     out = x.new_empty((n, q, g, h // g, p))
     torch.mul(y.transpose(1, 2), _decay(lam - m).view(n, q, g, h // g, 1), out=out)
     out = out.view(n, q, h, p)
-    if not bool(split.all()):
+    if not bool(split.any()):
+        _exact_intra_all(out, x, delta, lam, cb)
+    elif not bool(split.all()):
         _exact_intra(out, x, delta, lam, cb, (~split).nonzero())
     return out
 
