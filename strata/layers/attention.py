@@ -63,14 +63,24 @@ class AttentionMetadata:
                                 seq_lens.to(torch.int32))
         return self._masks[key]
 
-    def prefill_mask(self, index: int, window: int | None, chunk: int | None) -> torch.Tensor:
+    def prefill_keys(self, index: int, window: int | None, chunk: int | None) -> tuple[int, torch.Tensor]:
+        """The first key any query of prefill `index` may see, and the [Q, K] mask of keys from there on.
+
+        Keys before it (outside every query's window or attention chunk) are never read: a late chunk of a
+        long prompt attends to what it can see, not to the whole context.
+        """
         key = ("prefill", index, window, chunk)
         if key not in self._masks:
             p = self.prefills[index]
+            first = 0  # the chunk's first query, at position num_computed, sees the earliest keys
+            if window is not None:
+                first = max(first, p.num_computed - window + 1)
+            if chunk is not None:
+                first = max(first, p.num_computed // chunk * chunk)
             device = self.slot_mapping.device
             q_pos = torch.arange(p.num_computed, p.seq_len, device=device).unsqueeze(1)
-            keys = torch.arange(p.seq_len, device=device).unsqueeze(0)
-            self._masks[key] = _allowed(q_pos, keys, window, chunk)
+            keys = torch.arange(first, p.seq_len, device=device).unsqueeze(0)
+            self._masks[key] = (first, _allowed(q_pos, keys, window, chunk))
         return self._masks[key]
 
 
@@ -133,12 +143,13 @@ class Attention(nn.Module):
                  meta: AttentionMetadata, flat_k: torch.Tensor, flat_v: torch.Tensor) -> torch.Tensor:
         p = meta.prefills[index]
         q_seq = q[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
+        plain = p.num_computed == 0 and self.sliding_window is None and self.chunk_size is None
+        first, mask = (0, None) if plain else meta.prefill_keys(index, self.sliding_window, self.chunk_size)
         if p.num_computed == 0:
             k_seq, v_seq = k[p.query_start:p.query_end], v[p.query_start:p.query_end]
         else:
-            k_seq, v_seq = flat_k[p.context_slots].to(q.dtype), flat_v[p.context_slots].to(q.dtype)
+            slots = p.context_slots[first:]
+            k_seq, v_seq = flat_k[slots].to(q.dtype), flat_v[slots].to(q.dtype)
         k_seq, v_seq = k_seq.transpose(0, 1).unsqueeze(0), v_seq.transpose(0, 1).unsqueeze(0)
-        plain = p.num_computed == 0 and self.sliding_window is None and self.chunk_size is None
-        mask = None if plain else meta.prefill_mask(index, self.sliding_window, self.chunk_size)
         out = self._attend(q_seq, k_seq, v_seq, mask, causal=plain)
         return out.squeeze(0).transpose(0, 1)
