@@ -38,14 +38,25 @@ class AttentionMetadata:
     block_size: int
     _masks: dict = field(default_factory=dict)
 
-    def decode_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
-        """[num_decodes, 1, 1, L] keys each decode token may see (L = padded context)."""
+    def decode_context(self, window: int | None, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables cut to the blocks each decode token can see, and the [num_decodes, 1, 1, L] mask
+        over their keys: with a window or attention chunk, only those blocks are gathered."""
         key = ("decode", window, chunk)
         if key not in self._masks:
-            length = self.decode_block_tables.shape[1] * self.block_size
-            keys = torch.arange(length, device=self.decode_seq_lens.device)
-            q_pos = (self.decode_seq_lens - 1).unsqueeze(1)
-            self._masks[key] = _allowed(q_pos, keys.unsqueeze(0), window, chunk)[:, None, None, :]
+            tables, bs = self.decode_block_tables, self.block_size
+            seq_lens = self.decode_seq_lens
+            first_block = torch.zeros_like(seq_lens)
+            span = min(s for s in (window, chunk, tables.shape[1] * bs) if s is not None)
+            width = min(tables.shape[1], (span - 1) // bs + 2)  # blocks a span of keys can touch
+            if width < tables.shape[1]:
+                first_block = _first_visible_keys(seq_lens, window, chunk) // bs
+                columns = (first_block[:, None] + torch.arange(width, device=tables.device))
+                # Past a sequence's last block the columns repeat it; those keys lie beyond its
+                # length and are masked.
+                tables = tables.gather(1, columns.clamp_(max=tables.shape[1] - 1))
+            keys = first_block[:, None] * bs + torch.arange(width * bs, device=seq_lens.device)
+            mask = _allowed((seq_lens - 1).unsqueeze(1), keys, window, chunk)[:, None, None, :]
+            self._masks[key] = (tables, mask)
         return self._masks[key]
 
     def decode_key_ranges(self, window: int | None, chunk: int | None
@@ -54,11 +65,7 @@ class AttentionMetadata:
         key = ("ranges", window, chunk)
         if key not in self._masks:
             seq_lens = self.decode_seq_lens
-            first = torch.zeros_like(seq_lens)
-            if window is not None:
-                first = torch.clamp(seq_lens - window, min=0)
-            if chunk is not None:
-                first = torch.maximum(first, (seq_lens - 1) // chunk * chunk)
+            first = _first_visible_keys(seq_lens, window, chunk)
             self._masks[key] = (self.decode_block_tables.to(torch.int32).contiguous(), first.to(torch.int32),
                                 seq_lens.to(torch.int32))
         return self._masks[key]
@@ -82,6 +89,16 @@ class AttentionMetadata:
             keys = torch.arange(first, p.seq_len, device=device).unsqueeze(0)
             self._masks[key] = (first, _allowed(q_pos, keys, window, chunk))
         return self._masks[key]
+
+
+def _first_visible_keys(seq_lens: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """The first key the last token of each sequence may see."""
+    first = torch.zeros_like(seq_lens)
+    if window is not None:
+        first = torch.clamp(seq_lens - window, min=0)
+    if chunk is not None:
+        first = torch.maximum(first, (seq_lens - 1) // chunk * chunk)
+    return first
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
@@ -132,10 +149,10 @@ class Attention(nn.Module):
         return self._decode_gathered(q, meta)
 
     def _decode_gathered(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        b, length = meta.decode_block_tables.shape[0], meta.decode_block_tables.shape[1] * meta.block_size
-        k = self.k_cache[meta.decode_block_tables].view(b, length, self.num_kv_heads, self.head_dim)
-        v = self.v_cache[meta.decode_block_tables].view(b, length, self.num_kv_heads, self.head_dim)
-        mask = meta.decode_mask(self.sliding_window, self.chunk_size)
+        tables, mask = meta.decode_context(self.sliding_window, self.chunk_size)
+        b, length = tables.shape[0], tables.shape[1] * meta.block_size
+        k = self.k_cache[tables].view(b, length, self.num_kv_heads, self.head_dim)
+        v = self.v_cache[tables].view(b, length, self.num_kv_heads, self.head_dim)
         out = self._attend(q.unsqueeze(2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), mask)
         return out.squeeze(2)
 

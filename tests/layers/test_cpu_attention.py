@@ -63,14 +63,21 @@ def test_kernel_honours_sliding_windows_and_attention_chunks(window, chunk):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_layer_decode_matches_the_gather_path():
-    seq_lens = [3, 20, 31]
+# The gather path reads only the blocks a window or attention chunk can see: 3 of 5 with window 10.
+@pytest.mark.parametrize("window,chunk", [(10, None), (None, 16), (10, 16), (None, None)])
+def test_attention_layer_decode_matches_the_gather_path(window, chunk):
+    seq_lens = [3, 20, 31, 40]
     q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, 4, 16, 8, seed=2)
-    layer = Attention(8, 4, 16, scale=0.25, sliding_window=10)
+    layer = Attention(8, 4, 16, scale=0.25, sliding_window=window, chunk_size=chunk)
     layer.k_cache, layer.v_cache = k_cache, v_cache
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], 8)
     assert cpu_attention.available(q, k_cache)
-    torch.testing.assert_close(layer._decode(q, meta), layer._decode_gathered(q, meta), atol=1e-5, rtol=1e-5)
+    gathered = layer._decode_gathered(q, meta)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.25, window, chunk)
+    torch.testing.assert_close(gathered, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer._decode(q, meta), gathered, atol=1e-5, rtol=1e-5)
+    if window == 10:
+        assert meta.decode_context(window, chunk)[0].shape == (4, 3)
 
 
 def test_bfloat16_kernel_computes_in_float32_from_bfloat16_values():
