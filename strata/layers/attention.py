@@ -15,6 +15,10 @@ from torch import nn
 
 from strata.layers import cpu_attention
 
+# Prefill chunks of windowed or chunked-attention layers are attended in query blocks of at least this
+# many tokens (or the window / attention chunk, if longer), each over the keys it can see.
+_MIN_QUERY_BLOCK = 256
+
 
 @dataclass
 class PrefillChunk:
@@ -70,29 +74,31 @@ class AttentionMetadata:
                                 seq_lens.to(torch.int32))
         return self._masks[key]
 
-    def prefill_keys(self, index: int, window: int | None, chunk: int | None) -> tuple[int, torch.Tensor]:
-        """The first key any query of prefill `index` may see, and the [Q, K] mask of keys from there on.
-
-        Keys before it (outside every query's window or attention chunk) are never read: a late chunk of a
-        long prompt attends to what it can see, not to the whole context.
-        """
+    def prefill_blocks(self, index: int, window: int | None, chunk: int | None
+                       ) -> list[tuple[int, int, int, torch.Tensor]]:
+        """Query blocks of prefill `index`: (first query, end, first key, [queries, keys] mask), as
+        positions in the sequence; each block reads keys from the first one its first query may see up
+        to its last query. With a window or attention chunk a late chunk of a long prompt attends to what
+        it can see, not to the whole context, and a long chunk is not one dense [Q, Q] product."""
         key = ("prefill", index, window, chunk)
         if key not in self._masks:
             p = self.prefills[index]
-            first = 0  # the chunk's first query, at position num_computed, sees the earliest keys
-            if window is not None:
-                first = max(first, p.num_computed - window + 1)
-            if chunk is not None:
-                first = max(first, p.num_computed // chunk * chunk)
+            spans = [s for s in (window, chunk) if s is not None]
+            step = max(min(spans), _MIN_QUERY_BLOCK) if spans else p.seq_len
             device = self.slot_mapping.device
-            q_pos = torch.arange(p.num_computed, p.seq_len, device=device).unsqueeze(1)
-            keys = torch.arange(first, p.seq_len, device=device).unsqueeze(0)
-            self._masks[key] = (first, _allowed(q_pos, keys, window, chunk))
+            blocks = []
+            for lo in range(p.num_computed, p.seq_len, step):
+                hi = min(lo + step, p.seq_len)
+                first = int(_first_visible_keys(torch.tensor(lo + 1), window, chunk))
+                q_pos = torch.arange(lo, hi, device=device).unsqueeze(1)
+                keys = torch.arange(first, hi, device=device).unsqueeze(0)
+                blocks.append((lo, hi, first, _allowed(q_pos, keys, window, chunk)))
+            self._masks[key] = blocks
         return self._masks[key]
 
 
 def _first_visible_keys(seq_lens: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
-    """The first key the last token of each sequence may see."""
+    """The first key the last token of each sequence (of these lengths) may see."""
     first = torch.zeros_like(seq_lens)
     if window is not None:
         first = torch.clamp(seq_lens - window, min=0)
@@ -159,14 +165,24 @@ class Attention(nn.Module):
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int,
                  meta: AttentionMetadata, flat_k: torch.Tensor, flat_v: torch.Tensor) -> torch.Tensor:
         p = meta.prefills[index]
-        q_seq = q[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
-        plain = p.num_computed == 0 and self.sliding_window is None and self.chunk_size is None
-        first, mask = (0, None) if plain else meta.prefill_keys(index, self.sliding_window, self.chunk_size)
-        if p.num_computed == 0:
-            k_seq, v_seq = k[p.query_start:p.query_end], v[p.query_start:p.query_end]
-        else:
-            slots = p.context_slots[first:]
-            k_seq, v_seq = flat_k[slots].to(q.dtype), flat_v[slots].to(q.dtype)
-        k_seq, v_seq = k_seq.transpose(0, 1).unsqueeze(0), v_seq.transpose(0, 1).unsqueeze(0)
-        out = self._attend(q_seq, k_seq, v_seq, mask, causal=plain)
+        rows = slice(p.query_start, p.query_end)
+        if p.num_computed == 0 and self.sliding_window is None and self.chunk_size is None:
+            return self._attend_rows(q[rows], k[rows], v[rows], None, causal=True)
+        outs = []
+        for lo, hi, first, mask in meta.prefill_blocks(index, self.sliding_window, self.chunk_size):
+            queries = q[p.query_start + lo - p.num_computed : p.query_start + hi - p.num_computed]
+            if p.context_slots is None:  # the whole sequence is in this step: position = row in the chunk
+                span = slice(p.query_start + first, p.query_start + hi)
+                keys, values = k[span], v[span]
+            else:
+                slots = p.context_slots[first:hi]
+                keys, values = flat_k[slots].to(q.dtype), flat_v[slots].to(q.dtype)
+            outs.append(self._attend_rows(queries, keys, values, mask))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     causal: bool = False) -> torch.Tensor:
+        """q: [Q, Hq, D], k/v: [K, Hkv, D] of one sequence -> [Q, Hq, D]."""
+        out = self._attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                           v.transpose(0, 1).unsqueeze(0), mask, causal=causal)
         return out.squeeze(0).transpose(0, 1)
