@@ -79,42 +79,53 @@ static const char *exchange(char *base, int rank, int size, int64_t slot_bytes, 
     return slot(base, size, slot_bytes, current, 0);
 }
 
-/* Sums float32 `x` over the ranks in place; every rank adds in rank order, so all get identical bits. */
-int shm_all_reduce_f32(char *base, int rank, int size, int64_t slot_bytes, int64_t *op, float *x, int64_t numel,
-                       double timeout_s) {
-    const int64_t per_op = slot_bytes / (int64_t)sizeof(float);
+/* Folds every rank's `n` elements (slot r at parts + r * per_op elements) into `out`. */
+typedef void (*combine_fn)(void *out, const void *parts, int size, int64_t per_op, int64_t n);
+
+/* Float32 sum in rank order, so that every rank gets identical bits. */
+static void sum_f32(void *out_, const void *parts_, int size, int64_t per_op, int64_t n) {
+    float *out = (float *)out_;
+    const float *parts = (const float *)parts_;
+    memcpy(out, parts, n * sizeof(float));
+    for (int r = 1; r < size; r++) {
+        const float *part = parts + r * per_op;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) out[i] += part[i];
+    }
+}
+
+/* Bfloat16 sum in float32, in rank order, rounded once at the end. */
+static void sum_bf16(void *out_, const void *parts_, int size, int64_t per_op, int64_t n) {
+    uint16_t *out = (uint16_t *)out_;
+    const uint16_t *parts = (const uint16_t *)parts_;
+    for (int64_t i = 0; i < n; i++) {
+        float total = 0.f;
+        for (int r = 0; r < size; r++) total += bf16_to_f32(parts[r * per_op + i]);
+        out[i] = f32_to_bf16(total);
+    }
+}
+
+/* All-reduce of `numel` elements of `elem` bytes in place, in pieces of one slot each. */
+static int all_reduce(char *base, int rank, int size, int64_t slot_bytes, int64_t *op, char *x, int64_t numel,
+                      int64_t elem, combine_fn combine, double timeout_s) {
+    const int64_t per_op = slot_bytes / elem;
     for (int64_t offset = 0; offset < numel; offset += per_op) {
         const int64_t n = numel - offset < per_op ? numel - offset : per_op;
-        const float *parts = (const float *)exchange(base, rank, size, slot_bytes, op, x + offset,
-                                                     n * (int64_t)sizeof(float), timeout_s);
+        const char *parts = exchange(base, rank, size, slot_bytes, op, x + offset * elem, n * elem, timeout_s);
         if (parts == NULL) return -1;
-        float *out = x + offset;
-        memcpy(out, parts, n * sizeof(float));
-        for (int r = 1; r < size; r++) {
-            const float *part = parts + r * per_op;
-#pragma omp simd
-            for (int64_t i = 0; i < n; i++) out[i] += part[i];
-        }
+        combine(x + offset * elem, parts, size, per_op, n);
     }
     return 0;
 }
 
-/* Sums bfloat16 `x` over the ranks in place: in float32, in rank order, rounded once at the end. */
+int shm_all_reduce_f32(char *base, int rank, int size, int64_t slot_bytes, int64_t *op, float *x, int64_t numel,
+                       double timeout_s) {
+    return all_reduce(base, rank, size, slot_bytes, op, (char *)x, numel, sizeof(float), sum_f32, timeout_s);
+}
+
 int shm_all_reduce_bf16(char *base, int rank, int size, int64_t slot_bytes, int64_t *op, uint16_t *x, int64_t numel,
                         double timeout_s) {
-    const int64_t per_op = slot_bytes / (int64_t)sizeof(uint16_t);
-    for (int64_t offset = 0; offset < numel; offset += per_op) {
-        const int64_t n = numel - offset < per_op ? numel - offset : per_op;
-        const uint16_t *parts = (const uint16_t *)exchange(base, rank, size, slot_bytes, op, x + offset,
-                                                           n * (int64_t)sizeof(uint16_t), timeout_s);
-        if (parts == NULL) return -1;
-        for (int64_t i = 0; i < n; i++) {
-            float total = 0.f;
-            for (int r = 0; r < size; r++) total += bf16_to_f32(parts[r * per_op + i]);
-            x[offset + i] = f32_to_bf16(total);
-        }
-    }
-    return 0;
+    return all_reduce(base, rank, size, slot_bytes, op, (char *)x, numel, sizeof(uint16_t), sum_bf16, timeout_s);
 }
 
 /* out = the `nbytes` of every rank's `x`, concatenated in rank order. */

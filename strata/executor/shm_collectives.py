@@ -79,6 +79,7 @@ class SharedMemoryGroup:
         self.lib, self.segment, self.rank, self.size, self.timeout_s = lib, segment, rank, size, timeout_s
         self.base = segment.data_ptr()
         self.op = ctypes.c_int64(0)
+        self.reducers = {torch.float32: lib.shm_all_reduce_f32, torch.bfloat16: lib.shm_all_reduce_bf16}
 
     @classmethod
     def create(cls, rank: int, size: int, group: Any, timeout_s: float) -> SharedMemoryGroup | None:
@@ -105,7 +106,7 @@ class SharedMemoryGroup:
     def all_reduce(self, x: torch.Tensor) -> bool:
         """Sums `x` in place over the group (bfloat16 in float32, rounded once); False (nothing done) for
         tensors it does not handle."""
-        reduce = {torch.float32: self.lib.shm_all_reduce_f32, torch.bfloat16: self.lib.shm_all_reduce_bf16}.get(x.dtype)
+        reduce = self.reducers.get(x.dtype)
         if reduce is None or x.device.type != "cpu" or not x.is_contiguous():
             return False
         status = reduce(self.base, self.rank, self.size, _SLOT_BYTES, ctypes.byref(self.op), x.data_ptr(), x.numel(),

@@ -217,7 +217,7 @@ def _exact_intra_all(
 
 def _chunk_outputs(
     x: torch.Tensor, delta: torch.Tensor, lam: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-    right: torch.Tensor, split: torch.Tensor,
+    right: torch.Tensor, split: torch.Tensor, m: torch.Tensor,
 ) -> torch.Tensor:
     """All outputs `[n, Q, H, P]`: u_t * ([tril(C B^T) | C] @ [v Delta x ; exp(m) S_in^T])_t, where the
     within-chunk decay exp(lam_t - lam_s) = u_t * v_s = exp(lam_t - m) * exp(m - lam_s).
@@ -226,11 +226,11 @@ def _chunk_outputs(
     product per chunk and group covers every head and the entering state at once. m is half the chunk's
     total log-decay (per head); where that total is too large for the split in floating point (`split`
     false, `[n, H]`), m = 0, v = 0, and that head's within-chunk term is computed with its decay matrix.
-    right `[n, G, Q + N, Hg*P]` arrives with its lower part (the scaled entering states) filled in.
+    m `[n, H]`; right `[n, G, Q + N, Hg*P]` arrives with its lower part (the scaled entering states) filled in.
     """
     n, q, h, p = x.shape
     g = b.shape[1]
-    m = _split_point(lam, split)[:, None]
+    m = m[:, None]
     cb = torch.matmul(c, b.transpose(2, 3)).tril_()
     if bool(split.any()):
         inflow = torch.exp(m - lam).masked_fill_(~split[:, None], 0.0).mul_(delta)
@@ -305,16 +305,16 @@ def ssd_chunk_scan_varlen(
     b, c = (_to_chunks(t, layout, q, dtype).transpose(1, 2).contiguous() for t in (B, C))
 
     split = _splittable(lam)
+    m = _split_point(lam, split)
     right = x.new_empty((n, groups, q + dstate, num_heads // groups * head_dim), dtype=dtype)
     final_states = _pass_states(
         _local_states(x_c, delta, lam, b),
         _per_head_columns(_decay(lam[:, -1]), groups, head_dim),
-        _transposed_states(initial_states.to(dtype), groups),
-        layout,
-        _per_head_columns(torch.exp(_split_point(lam, split)), groups, head_dim),
+        _transposed_states(initial_states.to(dtype), groups), layout,
+        _per_head_columns(torch.exp(m), groups, head_dim),
         right[:, :, q:],
     )
-    y = _chunk_outputs(x_c, delta, lam, b, c, right, split)
+    y = _chunk_outputs(x_c, delta, lam, b, c, right, split, m)
     y = y.view(n * q, num_heads, head_dim)
     if not layout.is_identity:
         y = y.index_select(0, layout.padded_rows)
