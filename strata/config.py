@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from strata.errors import ConfigError
-from strata.executor.parallel import pp_partition
+from strata.distributed import pp_partition
 from strata.layers.embedding import pad_vocab
 from strata.models import registry
 

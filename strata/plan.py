@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from strata.config import EngineConfig
-from strata.executor.parallel import ParallelContext, pp_layer_range, rank_layout
+from strata.distributed import ParallelContext, pp_layer_range, rank_layout
 from strata.layers.attention import Attention
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import ColumnParallelLinear, RowParallelLinear

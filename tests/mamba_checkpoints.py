@@ -130,7 +130,7 @@ class StepRunner:
     def __init__(self, path: Path, max_model_len: int = 256, max_num_seqs: int = 8, **engine_args) -> None:
         from strata.config import EngineConfig
         from strata.executor.model_runner import ModelRunner
-        from strata.executor.parallel import ParallelContext
+        from strata.distributed import ParallelContext
 
         self.config = EngineConfig.create(str(path), dtype=engine_args.pop("dtype", "float32"), device="cpu",
                                           max_model_len=max_model_len, max_num_seqs=max_num_seqs, **engine_args)

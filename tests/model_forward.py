@@ -7,7 +7,7 @@ from strata import SamplingParams
 from strata.config import EngineConfig
 from strata.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from strata.executor.model_runner import ModelRunner
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 
 
 def strata_logits(path, token_ids: list[int], pc: ParallelContext | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ from strata.config import EngineConfig, default_cpu_kv_cache_bytes, resolve_devi
 from strata.engine.scheduler import SchedulerOutput
 from strata.errors import ConfigError
 from strata.executor.model_runner import ModelRunner, RunnerOutput
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 
 from strata.config import EngineConfig
 from strata.engine.scheduler import ScheduledRequest, SchedulerOutput
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
 from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk

@@ -22,7 +22,8 @@ from strata.config import EngineConfig
 from strata.errors import StrataError
 from strata.executor.executor import kv_cache_blocks
 from strata.executor.model_runner import ModelRunner
-from strata.executor.parallel import PendingSend, init_distributed, pp_layer_range, rank_layout
+from strata.distributed import PendingSend, pp_layer_range, rank_layout
+from strata.executor.parallel import init_distributed
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.layers.linear import _copy_checked, can_pack, linear, packed
 
 VOCAB_PADDING = 64

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 
 # oneDNN picks its blocked weight layout for a typical batch; any batch size still works with it.
 _PACK_BATCH_HINT = 64

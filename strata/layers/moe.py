@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.layers.activation import silu_and_mul
 from strata.layers.linear import shard_dim
 

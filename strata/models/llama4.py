@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from strata.config import HFConfig, ModelConfig
-from strata.executor.parallel import ParallelContext, pp_layer_range
+from strata.distributed import ParallelContext, pp_layer_range
 from strata.layers.activation import silu_and_mul
 from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear

@@ -12,7 +12,7 @@ from torch import nn
 
 from strata.config import HFConfig, ModelConfig
 from strata.errors import RequestError
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from strata.layers.rotary import rope_parameters
 from strata.models import loader

@@ -10,7 +10,7 @@ from torch import nn
 
 from strata.config import HFConfig, ModelConfig
 from strata.errors import UnsupportedModelError
-from strata.executor.parallel import ParallelContext, pp_layer_range
+from strata.distributed import ParallelContext, pp_layer_range
 from strata.layers.linear import RowParallelLinear
 from strata.layers.mamba.mixer import (
     ConvWeights,

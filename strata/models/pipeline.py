@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from strata.config import HFConfig
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
 

@@ -10,7 +10,7 @@ from transformers import Llama4TextConfig
 from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
 from strata import LLM, SamplingParams
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.layers.moe import DOWN, GATE, UP, FusedMoE, quantize_rows_int8
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -17,7 +17,7 @@ from strata.config import EngineConfig, HFConfig
 from strata.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from strata.errors import ConfigError
 from strata.executor.model_runner import ModelRunner
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.models.llama4 import layer_kind
 
 # Scout-like: every layer MoE, top-1, qk-norm, llama3 RoPE. Maverick-like: dense/MoE interleaved, no qk-norm,

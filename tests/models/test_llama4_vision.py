@@ -19,7 +19,7 @@ from strata.config import EngineConfig, ModelConfig
 from strata.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from strata.errors import ConfigError, RequestError
 from strata.executor.model_runner import ModelRunner
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.models.pipeline import PPMissingLayer
 from strata.multimodal.chat import ImagePromptProcessor, render_chat
 

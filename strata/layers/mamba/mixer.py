@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.layers.linear import PackableLinear, _copy_checked, linear
 from strata.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from strata.layers.mamba.ssd import discretize_dt, heads_by_group, ssd_chunk_scan_varlen

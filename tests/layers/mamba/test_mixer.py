@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from strata.executor.parallel import ParallelContext
+from strata.distributed import ParallelContext
 from strata.layers.mamba.causal_conv1d import causal_conv1d_update
 from strata.layers.mamba.mixer import MambaBatch, MambaState, allocate_states, shard_units
 from strata.layers.mamba.state_update import selective_state_update
