@@ -8,7 +8,6 @@ imports triton lazily, so it loads without it.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from types import ModuleType
 
@@ -132,17 +131,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group, dim_pad = num_heads // num_kv_heads, _pad(head_dim)
     partial_shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1,)
     m = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
+    denom = torch.empty_like(m)
     acc = torch.empty((*partial_shape, dim_pad), dtype=torch.float32, device=q.device)
     kernels = _kernels()
     kernels.decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, first_keys, seq_lens, out, m, l, acc, scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, first_keys, seq_lens, out, m, denom, acc, scale * _LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=_tiles(q.device)[1], NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q))
     if num_splits > 1:
         kernels.combine_kernel[(num_seqs, num_heads)](
-            m, l, acc, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+            m, denom, acc, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
             NUM_SPLITS=num_splits, SPLITS_PAD=_next_power_of_2(num_splits))
     return out.to(q.dtype)
 
@@ -222,3 +221,32 @@ def varlen_prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v
         v = _gather_keys(v_cache, block_tables[b], keys[seen])
         out[start:end] = _attend_reference(q[start:end], k, v, visible[:, seen], scale).to(q.dtype)
     return out
+
+
+def benchmark(kind: str = "decode", num_seqs: int = 64, context_len: int = 4096, query_len: int = 512,
+              num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
+              dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> float:
+    """Milliseconds per call (triton.testing.do_bench) of one decode step over num_seqs sequences of
+    context_len keys, or one prefill of num_seqs chunks of query_len queries after context_len cached keys,
+    with each sequence's blocks scattered over a shuffled cache."""
+    import triton.testing
+
+    seq_len = context_len + (1 if kind == "decode" else query_len)
+    blocks_per_seq = -(-seq_len // block_size)
+    tables = torch.randperm(num_seqs * blocks_per_seq, device=device).view(num_seqs, -1).to(torch.int32)
+    cache_shape = (num_seqs * blocks_per_seq, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+    v_cache = torch.randn(cache_shape, device=device, dtype=dtype)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    if kind == "decode":
+        q = torch.randn(num_seqs, num_heads, head_dim, device=device, dtype=dtype)
+        first_keys = torch.zeros_like(seq_lens)
+        run = lambda: paged_decode_attention(q, k_cache, v_cache, tables, first_keys, seq_lens, scale)  # noqa: E731
+    elif kind == "prefill":
+        q = torch.randn(num_seqs * query_len, num_heads, head_dim, device=device, dtype=dtype)
+        starts = torch.arange(num_seqs + 1, device=device, dtype=torch.int32) * query_len
+        run = lambda: varlen_prefill_attention(q, k_cache, v_cache, tables, starts, seq_lens, scale)  # noqa: E731
+    else:
+        raise ValueError(f"kind must be 'decode' or 'prefill', not {kind!r}")
+    return triton.testing.do_bench(run)

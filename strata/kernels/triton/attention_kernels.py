@@ -34,7 +34,7 @@ def write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_mapping,
 
 
 @triton.jit
-def _attend_tile(q, acc, m, l, k_cache, v_cache, table_row, pos, key_ok, ok, kv_head, dims, dim_ok, scale_log2,
+def _attend_tile(q, acc, m, denom, k_cache, v_cache, table_row, pos, key_ok, ok, kv_head, dims, dim_ok, scale_log2,
                  stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                  BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr):
     """One online-softmax step: rows of q [M, DIM_PAD] against the keys at positions pos [N], of which only
@@ -54,16 +54,16 @@ def _attend_tile(q, acc, m, l, k_cache, v_cache, table_row, pos, key_ok, ok, kv_
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
+    denom = denom * alpha + tl.sum(p, axis=1)
     if DOT_F32:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l
+    return acc, m_new, denom
 
 
 @triton.jit
-def decode_kernel(q_ptr, k_cache, v_cache, block_tables, first_keys, seq_lens, out_ptr, m_ptr, l_ptr, acc_ptr,
+def decode_kernel(q_ptr, k_cache, v_cache, block_tables, first_keys, seq_lens, out_ptr, m_ptr, denom_ptr, acc_ptr,
                   scale_log2, stride_qs, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                   stride_bt, stride_os, stride_oh,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -85,29 +85,29 @@ def decode_kernel(q_ptr, k_cache, v_cache, block_tables, first_keys, seq_lens, o
     lo = first_tile + split * per_split
     hi = tl.minimum(lo + per_split, first_tile + num_tiles)
     m = tl.full([GROUP_PAD], -1e30, tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     table_row = block_tables + seq.to(tl.int64) * stride_bt
     for tile in range(lo, hi):
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = (pos >= start) & (pos < end)
-        acc, m, l = _attend_tile(q, acc, m, l, k_cache, v_cache, table_row, pos, ok, ok[None, :], kv_head,
+        acc, m, denom = _attend_tile(q, acc, m, denom, k_cache, v_cache, table_row, pos, ok, ok[None, :], kv_head,
                                  dims, dim_ok, scale_log2,
                                  stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                                  BLOCK_SIZE, DOT_F32)
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
         part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [S, Hq, NUM_SPLITS] layout
         tl.store(m_ptr + part, m, mask=row_ok)
-        tl.store(l_ptr + part, l, mask=row_ok)
+        tl.store(denom_ptr + part, denom, mask=row_ok)
         tl.store(acc_ptr + part[:, None] * DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
-def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_os, stride_oh, num_heads,
+def combine_kernel(m_ptr, denom_ptr, acc_ptr, out_ptr, stride_os, stride_oh, num_heads,
                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    SPLITS_PAD: tl.constexpr):
     """Program (sequence, query head): merges the splits' partial softmaxes into the output row."""
@@ -117,10 +117,10 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_os, stride_oh, num_hea
     split_ok = splits < NUM_SPLITS
     part = (seq * num_heads + head) * NUM_SPLITS + splits
     m = tl.load(m_ptr + part, mask=split_ok, other=-1e30)
-    l = tl.load(l_ptr + part, mask=split_ok, other=0.0)
+    denom = tl.load(denom_ptr + part, mask=split_ok, other=0.0)
     acc = tl.load(acc_ptr + part[:, None] * DIM_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
-    weight = tl.exp2(m - tl.max(m, axis=0))  # splits that saw no key have l = 0 and weigh nothing
-    total = tl.sum(weight * l, axis=0)
+    weight = tl.exp2(m - tl.max(m, axis=0))  # splits that saw no key have denom = 0 and weigh nothing
+    total = tl.sum(weight * denom, axis=0)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
@@ -164,7 +164,7 @@ def prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, seq_l
         first_key = tl.maximum(first_key, (context + first_row) // CHUNK * CHUNK)
     end_key = tl.minimum(context + first_row + BLOCK_M, seq_len)
     m = tl.full([BLOCK_M], -1e30, tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table_row = block_tables + seq.to(tl.int64) * stride_bt
     for key_tile in range(first_key // BLOCK_N, tl.cdiv(end_key, BLOCK_N)):
@@ -175,9 +175,9 @@ def prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, seq_l
         if CHUNK > 0:
             ok = ok & (pos[None, :] // CHUNK == q_pos[:, None] // CHUNK)
         key_ok = (pos >= first_key) & (pos < end_key)
-        acc, m, l = _attend_tile(q, acc, m, l, k_cache, v_cache, table_row, pos, key_ok, ok, head // GROUP,
+        acc, m, denom = _attend_tile(q, acc, m, denom, k_cache, v_cache, table_row, pos, key_ok, ok, head // GROUP,
                                  dims, dim_ok, scale_log2, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
                                  stride_vh, BLOCK_SIZE, DOT_F32)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])

@@ -33,7 +33,7 @@ def _paged_cache(seq_lens: list[int], hidden_before: list[int], block_size: int,
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     taken = 0
-    for s, (n, hidden) in enumerate(zip(seq_lens, hidden_before)):
+    for s, (n, hidden) in enumerate(zip(seq_lens, hidden_before, strict=True)):
         used = ids[2 * taken: 2 * taken + 2 * blocks_per_seq[s]: 2]  # every other id: holes between blocks
         taken += blocks_per_seq[s]
         tables[s, :len(used)] = used.to(torch.int32)
@@ -66,7 +66,7 @@ def _check_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
 
 def _check_prefill(query_lens, contexts, num_heads, num_kv_heads, head_dim, block_size, dtype, window=None,
                    chunk=None, device="cpu"):
-    seq_lens = [c + n for c, n in zip(contexts, query_lens)]
+    seq_lens = [c + n for c, n in zip(contexts, query_lens, strict=True)]
     hidden = [_first_visible(c, window, chunk) for c in contexts]
     k_cache, v_cache, tables = _paged_cache(seq_lens, hidden, block_size, num_kv_heads, head_dim, dtype, device)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
