@@ -13,6 +13,8 @@ from types import ModuleType
 
 import torch
 
+from strata.errors import ConfigError
+
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Split-K for decode: each split covers at least this many keys, and splits are added only while the grid
@@ -27,14 +29,15 @@ def _kernels() -> ModuleType:
     try:
         from strata.kernels.triton import attention_kernels
     except ImportError as exc:
-        raise RuntimeError("Triton kernels need the `triton` package (pip install triton)") from exc
+        raise ConfigError("Triton kernels need the `triton` package (pip install triton); without it use "
+                          "kernels='torch'") from exc
     return attention_kernels
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("Triton kernels on CPU run only under the interpreter: set TRITON_INTERPRET=1 "
-                           "before starting (or use kernels='torch')")
+        raise ConfigError("Triton kernels on CPU run only under the interpreter: set TRITON_INTERPRET=1 "
+                          "before starting (or use kernels='torch')")
     if q.dtype not in _DTYPES or k_cache.dtype not in _DTYPES:
         raise TypeError(f"Triton attention takes float32, bfloat16 or float16, not {q.dtype} / {k_cache.dtype}")
     if k_cache.shape != v_cache.shape or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -70,10 +73,12 @@ def _output(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(q.shape, dtype=torch.float32 if _emulated_bf16(q) else q.dtype, device=q.device)
 
 
-def _tiles(device: torch.device) -> tuple[int, int]:
-    """(query rows, keys) per prefill tile: GPU-sized on CUDA, small under the interpreter where every
-    program runs in numpy and small tiles keep tests on the paths that cross tile boundaries."""
-    return (64, 64) if device.type == "cuda" else (16, 16)
+def _tiles(q: torch.Tensor) -> tuple[int, int]:
+    """(query rows, keys) per tile: GPU-sized on CUDA (halved in float32, whose tiles take twice the
+    registers), small under the interpreter where small tiles keep tests on the paths that cross tiles."""
+    if q.device.type != "cuda":
+        return 16, 16
+    return (32, 32) if q.dtype == torch.float32 else (64, 64)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -138,7 +143,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, first_keys, seq_lens, out, m, denom, acc, scale * _LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=_tiles(q.device)[1], NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q))
+        BLOCK_SIZE=block_size, BLOCK_N=_tiles(q)[1], NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q))
     if num_splits > 1:
         kernels.combine_kernel[(num_seqs, num_heads)](
             m, denom, acc, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
@@ -163,7 +168,7 @@ def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return out.to(q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    block_m, block_n = _tiles(q.device)
+    block_m, block_n = _tiles(q)
     _kernels().prefill_kernel[(num_tokens // block_m + num_seqs, num_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from strata.errors import ConfigError
 from strata.kernels.triton import attention as kernels
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -147,7 +148,7 @@ def test_kernels_on_cpu_need_the_interpreter(monkeypatch):
     q = torch.zeros(1, 2, 8)
     cache = torch.zeros(2, 4, 2, 8)
     lens = torch.ones(1, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
         kernels.paged_decode_attention(q, cache, cache, lens[None], lens - 1, lens, 1.0)
 
 
