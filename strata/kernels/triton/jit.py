@@ -2,6 +2,8 @@
 `require_triton` is what every launcher calls first, so a missing package fails with a clear error."""
 from __future__ import annotations
 
+import os
+
 from strata.errors import ConfigError
 
 try:
@@ -20,3 +22,8 @@ def require_triton() -> None:
     if triton is None:
         raise ConfigError("kernels='triton' needs the triton package (pip install triton); "
                           "use kernels='torch' without it")
+
+
+def interpreting() -> bool:
+    """Whether kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kernels.triton.jit import jit, require_triton, tl, triton
+from strata.kernels.triton.jit import interpreting, jit, require_triton, tl, triton
 
 _MAX_BLOCK = 64  # rows and columns of the scan's tiles
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16 on a GPU
@@ -259,7 +259,8 @@ def ssd_chunk_scan_varlen(
     block_q, block_h = triton.next_power_of_2(q), min(16, triton.next_power_of_2(num_heads))
     block_t, block_p = _block(q), _block(head_dim)
     block_n = max(_MIN_DOT, triton.next_power_of_2(dstate))
-    ieee = x.dtype == torch.float32
+    # The interpreter's 16-bit tl.dot returns garbage (Triton 3.9): there 16-bit inputs take float32 products too.
+    ieee = x.dtype == torch.float32 or interpreting()
     low, high = dt_limit
     has_limit = low > 0.0 or high != math.inf
     if n:
