@@ -14,7 +14,8 @@ import torch
 
 from strata.kernels.triton.jit import interpreting, jit, require_triton, tl, triton
 
-_MAX_BLOCK = 64  # rows and columns of the scan's tiles
+# Largest (token, head-dim, state) tile sides, for float32 products (kept in registers: small) and 16-bit ones.
+_MAX_BLOCKS = {True: (32, 32, 32), False: (64, 64, 128)}
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16 on a GPU
 _STATE_BLOCK = 1024  # state elements per program of the state pass
 
@@ -106,8 +107,9 @@ def _chunk_state_kernel(
     # The chunk's end state from a zero entering state: (x * exp(lam_end - lam) * Delta)^T @ B, [P, N].
     chunk = tl.program_id(0)
     h = tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
+    n_blocks = tl.cdiv(dstate, BLOCK_N)
+    p = (tl.program_id(2) // n_blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = (tl.program_id(2) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     start = tl.load(chunk_start_ptr + chunk)
     length = tl.load(chunk_end_ptr + chunk) - start
     row = (chunk * num_heads + h).to(tl.int64) * CHUNK
@@ -179,24 +181,32 @@ def _chunk_scan_kernel(
         return
     g = h // heads_per_group
     t = t0 + tl.arange(0, BLOCK_T)
-    n = tl.arange(0, BLOCK_N)
-    t_ok, p_ok, n_ok = t < length, p < head_dim, n < dstate
+    t_ok, p_ok = t < length, p < head_dim
     row = (chunk * num_heads + h).to(tl.int64) * CHUNK
     lam_t = tl.load(lam_ptr + row + t, mask=t_ok, other=0.0)
     tok_t = (start + t).to(tl.int64)
-    ct = tl.load(c_ptr + tok_t[:, None] * stride_c_t + g * stride_c_g + n[None, :] * stride_c_n,
-                 mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-    s_in = tl.load(entering_ptr + ((chunk * num_heads + h).to(tl.int64) * head_dim + p[None, :]) * dstate + n[:, None],
-                   mask=n_ok[:, None] & p_ok[None, :], other=0.0)
-    acc = _matmul(ct, s_in, IEEE, x_ptr.dtype.element_ty) * tl.exp(lam_t)[:, None]
+    c_rows = c_ptr + tok_t[:, None] * stride_c_t + g * stride_c_g
+    s_in_cols = entering_ptr + ((chunk * num_heads + h).to(tl.int64) * head_dim + p[None, :]) * dstate
+    acc = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
+    for n0 in range(0, dstate, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        ct = tl.load(c_rows + n[None, :] * stride_c_n, mask=t_ok[:, None] & (n < dstate)[None, :], other=0.0)
+        s_in = tl.load(s_in_cols + n[:, None], mask=(n < dstate)[:, None] & p_ok[None, :], other=0.0)
+        acc += _matmul(ct, s_in, IEEE, x_ptr.dtype.element_ty)
+    acc *= tl.exp(lam_t)[:, None]
     x_base = x_ptr + h * stride_x_h + p[None, :] * stride_x_p
     for s0 in range(0, t0 + BLOCK_T, BLOCK_T):
         s = s0 + tl.arange(0, BLOCK_T)
         s_ok = s < length
         tok_s = (start + s).to(tl.int64)
-        bs = tl.load(b_ptr + tok_s[None, :] * stride_b_t + g * stride_b_g + n[:, None] * stride_b_n,
-                     mask=n_ok[:, None] & s_ok[None, :], other=0.0)
-        cb = _matmul(ct, bs, IEEE, x_ptr.dtype.element_ty)  # [T, S]
+        cb = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)  # C_t . B_s
+        for n0 in range(0, dstate, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < dstate
+            ct = tl.load(c_rows + n[None, :] * stride_c_n, mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+            bs = tl.load(b_ptr + tok_s[None, :] * stride_b_t + g * stride_b_g + n[:, None] * stride_b_n,
+                         mask=n_ok[:, None] & s_ok[None, :], other=0.0)
+            cb += _matmul(ct, bs, IEEE, x_ptr.dtype.element_ty)
         lam_s = tl.load(lam_ptr + row + s, mask=s_ok, other=0.0)
         delta_s = tl.load(delta_ptr + row + s, mask=s_ok, other=0.0)
         causal = (t[:, None] >= s[None, :]) & s_ok[None, :]
@@ -216,8 +226,27 @@ def _chunk_scan_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _block(size: int) -> int:
-    return min(_MAX_BLOCK, max(_MIN_DOT, triton.next_power_of_2(size)))
+def _blocks(chunk_size: int, head_dim: int, dstate: int, ieee: bool) -> tuple[int, int, int]:
+    return tuple(min(most, max(_MIN_DOT, triton.next_power_of_2(size)))
+                 for most, size in zip(_MAX_BLOCKS[ieee], (chunk_size, head_dim, dstate), strict=True))
+
+
+def _chunk_decay(
+    dt: torch.Tensor, dt_bias: torch.Tensor | None, A: torch.Tensor, chunks: ScanChunks, dt_softplus: bool,
+    dt_limit: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Delta, lam = within-chunk inclusive cumsum of Delta*A), each `[chunks, H, chunk_size]` float32."""
+    n, q, num_heads = chunks.num_chunks, chunks.chunk_size, dt.shape[1]
+    delta, lam = torch.empty((2, n, num_heads, q), dtype=torch.float32, device=dt.device).unbind(0)
+    low, high = dt_limit
+    if n:
+        block_h = min(16, triton.next_power_of_2(num_heads))
+        _cumsum_kernel[(n, triton.cdiv(num_heads, block_h))](
+            dt, dt_bias if dt_bias is not None else A, A, delta, lam, chunks.chunk_start, chunks.chunk_end,
+            num_heads, float(low), float(min(high, 3.0e38)), *dt.stride(),
+            HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=low > 0.0 or high != math.inf,
+            CHUNK=q, BLOCK_Q=triton.next_power_of_2(q), BLOCK_H=block_h)
+    return delta, lam
 
 
 def ssd_chunk_scan_varlen(
@@ -253,23 +282,14 @@ def ssd_chunk_scan_varlen(
     y = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if num_seqs == 0:
         return y
-    f32 = dict(dtype=torch.float32, device=x.device)
-    delta, lam = torch.empty((n, num_heads, q), **f32), torch.empty((n, num_heads, q), **f32)
-    states, entering = torch.empty((2, n, num_heads, head_dim, dstate), **f32).unbind(0)
-    block_q, block_h = triton.next_power_of_2(q), min(16, triton.next_power_of_2(num_heads))
-    block_t, block_p = _block(q), _block(head_dim)
-    block_n = max(_MIN_DOT, triton.next_power_of_2(dstate))
+    delta, lam = _chunk_decay(dt, dt_bias, A, chunks, dt_softplus, dt_limit)
+    states, entering = torch.empty((2, n, num_heads, head_dim, dstate), dtype=torch.float32,
+                                   device=x.device).unbind(0)
     # The interpreter's 16-bit tl.dot returns garbage (Triton 3.9): there 16-bit inputs take float32 products too.
     ieee = x.dtype == torch.float32 or interpreting()
-    low, high = dt_limit
-    has_limit = low > 0.0 or high != math.inf
+    block_t, block_p, block_n = _blocks(q, head_dim, dstate, ieee)
     if n:
-        _cumsum_kernel[(n, triton.cdiv(num_heads, block_h))](
-            dt, dt_bias if dt_bias is not None else A, A, delta, lam, chunks.chunk_start, chunks.chunk_end,
-            num_heads, float(low), float(min(high, 3.0e38)), *dt.stride(),
-            HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit, CHUNK=q, BLOCK_Q=block_q,
-            BLOCK_H=block_h)
-        _chunk_state_kernel[(n, num_heads, triton.cdiv(head_dim, block_p))](
+        _chunk_state_kernel[(n, num_heads, triton.cdiv(head_dim, block_p) * triton.cdiv(dstate, block_n))](
             x, B, delta, lam, states, chunks.chunk_start, chunks.chunk_end, num_heads, head_dim, dstate,
             num_heads // groups, *x.stride(), *B.stride(),
             CHUNK=q, IEEE=ieee, BLOCK_S=block_t, BLOCK_P=block_p, BLOCK_N=block_n)

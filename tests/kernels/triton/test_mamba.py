@@ -145,8 +145,10 @@ def test_scan_matches_reference_across_chunks_and_slots(with_d, with_z, dt_limit
     assert pool.isnan().sum() == ref_pool.isnan().sum() > 0
 
 
-def test_scan_one_group_per_head_and_chunk_of_eight():
-    y, ref_y, pool, ref_pool = run_scan([3, 17, 8], [False, True, True], [1, 4, 3], 8, heads=2, groups=2)
+def test_scan_one_group_per_head_wide_tiles_and_chunk_of_eight():
+    # head_dim and dstate above the interpreter's 32-wide tiles: several P and N blocks
+    y, ref_y, pool, ref_pool = run_scan([3, 17, 8], [False, True, True], [1, 4, 3], 8, heads=2, groups=2,
+                                        head_dim=40, dstate=40)
     torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5, equal_nan=True)
 
