@@ -5,66 +5,8 @@ import argparse
 import logging
 import sys
 
+from strata.engine_args import EngineArgs
 from strata.errors import StrataError
-
-
-def _int_list(value: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
-
-
-def _bytes(value: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    v = value.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if v and v[-1] in units:
-            return int(float(v[:-1]) * units[v[-1]])
-        return int(float(v))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size in bytes (e.g. 4G, 512M), got {value!r}") from None
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine flags shared by serve, bench throughput and plan."""
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--pp-layer-partition", type=_int_list, default=None,
-                   help="layers per pipeline stage, e.g. 3,5 (default: even split, vLLM's rule)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="bytes for the KV cache per rank")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype of the Mamba SSM state (auto = the model dtype)")
-    p.add_argument("--quantization", "-q", default=None, choices=["experts_int8"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=None)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """Keyword arguments for EngineConfig.create / LLM from parsed engine flags."""
-    kwargs = dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-                  dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                  gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
-                  seed=args.seed, device=args.device, enable_prefix_caching=args.enable_prefix_caching,
-                  block_size=args.block_size, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
-    if args.pp_layer_partition is not None:
-        kwargs["pp_layer_partition"] = args.pp_layer_partition
-    if args.nnodes > 1 or args.master_port is not None:
-        kwargs.update(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                      master_port=args.master_port)
-    return kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-local-media-path", default=None)
     serve.add_argument("--allow-remote-media", action="store_true")
     serve.add_argument("--disable-log-requests", action="store_true")
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
 
     bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     throughput = bench.add_parser("throughput", help="offline throughput on random prompts")
@@ -94,13 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--output-json", default=None)
     throughput.add_argument("--backend", default="strata", choices=["strata", "hf"],
                             help="hf: transformers generate() with one static batch, as a baseline")
-    add_engine_args(throughput)
+    EngineArgs.add_cli_args(throughput)
     bench_serve = bench.add_parser("serve", help="online serving benchmark against any OpenAI-compatible server")
     _add_bench_serve_args(bench_serve)
 
     plan = verbs.add_parser("plan", help="show the per-rank layout of a TP x PP plan without starting workers")
     plan.add_argument("model")
-    add_engine_args(plan)
+    EngineArgs.add_cli_args(plan)
     return parser
 
 
@@ -150,7 +92,7 @@ def _run_headless(args: argparse.Namespace) -> int:
         from strata.demo import demo_checkpoint_path
 
         model = str(demo_checkpoint_path())
-    return run_headless(EngineConfig.create(model, **engine_kwargs(args)))
+    return run_headless(EngineConfig.from_args(EngineArgs.from_cli_args(args, model)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from strata import model_registry as registry
+from strata.distributed import pad_vocab, pp_partition
+from strata.engine_args import QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
 from strata.errors import ConfigError
-from strata.distributed import pp_partition
-from strata.layers.embedding import pad_vocab
-from strata.models import registry
 
 logger = logging.getLogger(__name__)
 
@@ -173,53 +173,63 @@ class EngineConfig:
     chat_template: str | None = None
 
     @classmethod
-    def create(cls, model: str, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-               dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
-               max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
-               gpu_memory_utilization: float = 0.9, quantization: str | None = None, seed: int = 0,
-               device: str = "auto", enable_prefix_caching: bool | None = None, block_size: int = 16,
-               served_model_name: str | list[str] | None = None, chat_template: str | None = None,
-               mamba_ssm_cache_dtype: str = "float32", **parallel_options: Any) -> EngineConfig:
-        model_config = ModelConfig.from_path(model, dtype, max_model_len, quantization)
-        parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size, **parallel_options)
-        if max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}", param="max_num_seqs")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(2048, max_num_seqs)
-        if max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}",
-                              param="max_num_batched_tokens")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}",
-                              param="gpu_memory_utilization")
-        if kv_cache_memory is not None and kv_cache_memory <= 0:
-            raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory}",
-                              param="kv_cache_memory")
-        if quantization not in (None, "experts_int8"):
-            raise ConfigError(f"quantization {quantization!r} is not supported (supported: experts_int8)",
-                              param="quantization")
-        if quantization == "experts_int8" and num_routed_experts(model_config.text_config) == 0:
+    def create(cls, model: str, *, served_model_name: str | list[str] | None = None,
+               chat_template: str | None = None, **options: Any) -> EngineConfig:
+        """From keywords named like EngineArgs' fields; an unknown one is refused naming the close matches."""
+        args = EngineArgs.from_kwargs(model, options, "EngineConfig.create", ("served_model_name", "chat_template"))
+        return cls.from_args(args, served_model_name=served_model_name, chat_template=chat_template)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, *, served_model_name: str | list[str] | None = None,
+                  chat_template: str | None = None) -> EngineConfig:
+        """The engine's configuration, every option checked: an impossible one is refused before any process
+        starts. `served_model_name` (default: the model path) and `chat_template` are the front end's."""
+        model_config = ModelConfig.from_path(args.model, args.dtype, args.max_model_len, args.quantization)
+        parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.pp_layer_partition,
+                                  args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        _check_options(args)
+        if args.quantization == "experts_int8" and num_routed_experts(model_config.text_config) == 0:
             raise ConfigError(f"quantization='experts_int8' quantizes the routed experts of MoE layers, but "
                               f"{model_config.architecture} has no MoE layers; run it without --quantization",
                               param="quantization")
-        if mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"mamba_ssm_cache_dtype {mamba_ssm_cache_dtype!r} is not one of auto, float32, "
-                              "bfloat16, float16", param="mamba_ssm_cache_dtype")
         hybrid = model_config.text_info.is_hybrid
+        enable_prefix_caching = args.enable_prefix_caching
         if enable_prefix_caching is None:
             enable_prefix_caching = not hybrid
         if hybrid:
             logger.info("prefix caching is off for hybrid models (their recurrent state is not snapshotted)")
             enable_prefix_caching = False
-        cache = CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
-                            mamba_ssm_cache_dtype)
-        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len)
+        cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
+                            enable_prefix_caching, args.mamba_ssm_cache_dtype)
+        max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
+        scheduler = SchedulerConfig(args.max_num_seqs, max_num_batched_tokens, model_config.max_model_len)
         if isinstance(served_model_name, str):
             served_model_name = [served_model_name]
-        names = tuple(served_model_name or [model])
-        config = cls(model_config, parallel, cache, scheduler, device, seed, names, chat_template)
+        names = tuple(served_model_name or [args.model])
+        config = cls(model_config, parallel, cache, scheduler, args.device, args.seed, names, chat_template)
         validate_parallel(config)
         return config
+
+
+def _check_options(args: EngineArgs) -> None:
+    """The options whose valid values do not depend on the model."""
+    if args.max_num_seqs < 1:
+        raise ConfigError(f"max_num_seqs must be >= 1, got {args.max_num_seqs}", param="max_num_seqs")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise ConfigError(f"max_num_batched_tokens must be >= 1, got {args.max_num_batched_tokens}",
+                          param="max_num_batched_tokens")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}",
+                          param="gpu_memory_utilization")
+    if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
+        raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {args.kv_cache_memory}",
+                          param="kv_cache_memory")
+    if args.quantization not in (None, *QUANTIZATIONS):
+        raise ConfigError(f"quantization {args.quantization!r} is not supported (supported: experts_int8)",
+                          param="quantization")
+    if args.mamba_ssm_cache_dtype not in SSM_STATE_DTYPES:
+        raise ConfigError(f"mamba_ssm_cache_dtype {args.mamba_ssm_cache_dtype!r} is not one of auto, float32, "
+                          "bfloat16, float16", param="mamba_ssm_cache_dtype")
 
 
 def validate_parallel(config: EngineConfig) -> None:

@@ -1,5 +1,6 @@
-"""Where a rank sits in the TP x PP grid and what layers and models need of it: TP collectives, the PP layer
-partition and the hand-off of intermediate tensors between stages. Process groups are made by the executor."""
+"""Where a rank sits in the TP x PP grid and what layers and models need of it: TP collectives, vocabulary padding,
+the PP layer partition and the hand-off of intermediate tensors between stages.
+Process groups are made by the executor."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,6 +95,14 @@ class PendingSend:
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
+
+
+VOCAB_PADDING = 64
+
+
+def pad_vocab(vocab_size: int, multiple: int = VOCAB_PADDING) -> int:
+    """The vocabulary rounded up so that TP ranks get equal slices (config validation checks it divides)."""
+    return -(-vocab_size // multiple) * multiple
 
 
 def rank_layout(tp_size: int, rank: int) -> tuple[int, int]:

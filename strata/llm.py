@@ -1,6 +1,7 @@
 """The offline API: LLM(...).generate(...) and LLM.chat(...)."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from tqdm.auto import tqdm
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine, PromptInput
+from strata.engine_args import EngineArgs
 from strata.multimodal.chat import render_chat
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
@@ -21,20 +23,14 @@ logger = logging.getLogger(__name__)
 class LLM:
     """Loads a checkpoint once and generates for batches of prompts with continuous batching."""
 
-    def __init__(self, model: str, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, quantization: str | None = None, seed: int = 0,
-                 device: str = "auto", enable_prefix_caching: bool | None = None,
-                 chat_template: str | None = None, allowed_local_media_path: str | None = None,
-                 allow_remote_media: bool = False, **kwargs: Any) -> None:
-        config = EngineConfig.create(
-            model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization, quantization=quantization, seed=seed, device=device,
-            enable_prefix_caching=enable_prefix_caching, chat_template=read_chat_template(chat_template),
-            **kwargs)
+    def __init__(self, model: str, *, chat_template: str | None = None, allowed_local_media_path: str | None = None,
+                 allow_remote_media: bool = False, served_model_name: str | list[str] | None = None,
+                 **engine_options: Any) -> None:
+        """`engine_options` are EngineArgs' fields (tensor_parallel_size=..., dtype=..., kv_cache_memory=...);
+        a misspelt one is refused naming the close matches."""
+        args = EngineArgs.from_kwargs(model, engine_options, "LLM", _own_keywords())
+        config = EngineConfig.from_args(args, served_model_name=served_model_name,
+                                        chat_template=read_chat_template(chat_template))
         self.engine = Engine(config)
         self.media_options = {"allowed_local_media_path": allowed_local_media_path,
                               "allow_remote_media": allow_remote_media}
@@ -98,3 +94,8 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _own_keywords() -> list[str]:
+    """LLM's keywords that are not engine options, suggested too when a keyword is misspelt."""
+    return [p.name for p in inspect.signature(LLM.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]

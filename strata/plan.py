@@ -19,6 +19,7 @@ from torch import nn
 
 from strata.config import EngineConfig
 from strata.distributed import ParallelContext, pp_layer_range, rank_layout
+from strata.engine_args import EngineArgs
 from strata.layers.attention import Attention
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -157,8 +158,6 @@ def format_plan(config: EngineConfig, plans: list[RankPlan]) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from strata.cli import engine_kwargs
-
-    config = EngineConfig.create(args.model, **engine_kwargs(args))
+    config = EngineConfig.from_args(EngineArgs.from_cli_args(args, args.model))
     sys.stdout.write(format_plan(config, plan_layout(config)))
     return 0

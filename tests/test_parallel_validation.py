@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from strata import LLM, ConfigError
+from strata import model_registry as registry
 from strata.config import EngineConfig
 from strata.executor import multiproc
-from strata.models import registry
 
 
 def write_config(folder: Path, architecture: str = "LlamaForCausalLM", text_config: bool = False, **sizes) -> Path:

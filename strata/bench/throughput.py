@@ -8,6 +8,7 @@ import random
 import sys
 import time
 
+from strata.engine_args import engine_kwargs
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,6 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int 
 
 
 def _bench_strata(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, float]:
-    from strata.cli import engine_kwargs
     from strata.llm import LLM
 
     started = time.perf_counter()

@@ -5,14 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.distributed import ParallelContext
+from strata.distributed import ParallelContext, pad_vocab
 from strata.layers.linear import _copy_checked, can_pack, linear, packed
-
-VOCAB_PADDING = 64
-
-
-def pad_vocab(vocab_size: int, multiple: int = VOCAB_PADDING) -> int:
-    return -(-vocab_size // multiple) * multiple
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata import __version__
 from strata.engine.async_engine import AsyncEngine
+from strata.engine_args import EngineArgs
 from strata.errors import AuthError, EngineDeadError, NotFoundError, RequestError, StrataError
 from strata.server.metrics import ServerMetrics
 from strata.server.protocol import (
@@ -230,13 +231,12 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, list[str] | None]:
 
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine, serve until interrupted; non-zero exit when the engine died."""
-    from strata.cli import engine_kwargs
     from strata.config import EngineConfig
     from strata.tokenizer import read_chat_template
 
     model, names = _resolve_model(args)
-    config = EngineConfig.create(model, **engine_kwargs(args), served_model_name=names,
-                                 chat_template=read_chat_template(args.chat_template))
+    config = EngineConfig.from_args(EngineArgs.from_cli_args(args, model), served_model_name=names,
+                                    chat_template=read_chat_template(args.chat_template))
     engine = AsyncEngine.from_config(config)
     # SIGTERM ends the server like Ctrl-C does, so the engine (and its workers) always shut down.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)

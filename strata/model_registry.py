@@ -1,4 +1,7 @@
-"""Architecture name -> model class and what it can do; the one place capabilities are looked up."""
+"""Architecture name -> model class and what it can do; the one place capabilities are looked up.
+
+A leaf module: config validation reads the capabilities, and model classes are imported by name only when
+a model is built, so nothing here depends on `strata.models`. Adding an architecture is one line in `_MODELS`."""
 from __future__ import annotations
 
 import importlib

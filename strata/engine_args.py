@@ -1,0 +1,120 @@
+"""EngineArgs: the one list of engine options, each with its help text. The flags of `strata serve | bench
+throughput | plan` are generated from it, `LLM(...)` keywords are checked against it, EngineConfig builds from it."""
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+SSM_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("experts_int8",)
+
+
+def int_list(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def byte_size(value: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    v = value.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if v and v[-1] in units:
+            return int(float(v[:-1]) * units[v[-1]])
+        return int(float(v))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes (e.g. 4G, 512M), got {value!r}") from None
+
+
+def _option(default: Any, help: str, *, short: str | None = None, parse: Callable[[str], Any] | None = None,
+            choices: Collection[str] | None = None) -> Any:
+    """A field and what its flag needs besides its name: help, a short spelling, a value parser, choices."""
+    return field(default=default, metadata={"help": help, "short": short, "parse": parse, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every option of an engine. Field `x_y` is the flag `--x-y` and the keyword `LLM(x_y=...)`."""
+
+    model: str  # not generated: each verb declares it (positional for serve and plan, --model for bench)
+    tensor_parallel_size: int = _option(1, "tensor-parallel ranks per pipeline stage", short="-tp")
+    pipeline_parallel_size: int = _option(1, "pipeline stages (the layers are split between them)", short="-pp")
+    pp_layer_partition: tuple[int, ...] | None = _option(
+        None, "layers per pipeline stage, e.g. 3,5 (default: even split, vLLM's rule)", parse=int_list)
+    dtype: str = _option("auto", "weights and activations dtype (auto: the checkpoint's)", choices=DTYPES)
+    max_model_len: int | None = _option(None, "longest prompt + output in tokens "
+                                              "(default: the model's max_position_embeddings)")
+    max_num_seqs: int = _option(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = _option(None, "tokens in one step (default: max(2048, max_num_seqs))")
+    kv_cache_memory: int | None = _option(None, "bytes for the KV cache per rank", parse=byte_size)
+    gpu_memory_utilization: float = _option(0.9, "share of GPU memory the engine may use")
+    block_size: int = _option(16, "tokens per KV-cache block")
+    enable_prefix_caching: bool | None = _option(None, "reuse the KV blocks of shared prompt prefixes "
+                                                       "(default: on, off for hybrid models)")
+    mamba_ssm_cache_dtype: str = _option("float32", "dtype of the Mamba SSM state (auto = the model dtype)",
+                                         choices=SSM_STATE_DTYPES)
+    quantization: str | None = _option(None, "quantize while loading (experts_int8: the MoE experts)", short="-q",
+                                       choices=QUANTIZATIONS)
+    seed: int = _option(0, "seed of requests that set none")
+    device: str = _option("auto", "auto, cpu, cuda or cuda:N")
+    nnodes: int = _option(1, "machines the workers are spread over")
+    node_rank: int = _option(0, "this machine's index among --nnodes (0 serves)")
+    master_addr: str = _option("127.0.0.1", "address of node 0, where all nodes meet")
+    master_port: int | None = _option(None, "port on node 0 where all nodes meet (needed with --nnodes > 1)")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per option, with its default, value parser, choices and help."""
+        for f in _options():
+            meta = f.metadata
+            names = ([meta["short"]] if meta["short"] else []) + ["--" + f.name.replace("_", "-")]
+            if f.type == "bool | None":
+                parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=meta["help"])
+                continue
+            parse = meta["parse"] or _PARSERS[f.type.removesuffix(" | None")]
+            parser.add_argument(*names, type=parse, default=f.default, choices=meta["choices"], help=meta["help"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, model: str) -> EngineArgs:
+        return cls(model, **engine_kwargs(args))
+
+    @classmethod
+    def from_kwargs(cls, model: str, options: dict[str, Any], caller: str = "EngineArgs",
+                    own_keywords: Iterable[str] = ()) -> EngineArgs:
+        """EngineArgs from keywords, refusing unknown ones by naming close matches among the options and the
+        caller's `own_keywords`."""
+        check_keywords(caller, options, option_names(), own_keywords)
+        return cls(model, **options)
+
+_PARSERS: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str}
+
+
+def _options() -> list[Field]:
+    return [f for f in fields(EngineArgs) if f.name != "model"]
+
+
+def option_names() -> tuple[str, ...]:
+    """Every engine option (all EngineArgs fields but the model)."""
+    return tuple(f.name for f in _options())
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of parsed flags, as keywords for LLM or EngineConfig.create."""
+    return {name: getattr(args, name) for name in option_names()}
+
+
+def check_keywords(caller: str, given: Iterable[str], known: Collection[str], also_suggest: Iterable[str] = ()) -> None:
+    """A misspelt option must not pass silently: name the close matches, or every option when none is close."""
+    candidates = [*known, *also_suggest]
+    for name in given:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, candidates, n=3)
+        hint = f"did you mean {' or '.join(close)}?" if close else f"the options are: {', '.join(sorted(candidates))}"
+        raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; {hint}")
