@@ -11,8 +11,8 @@ from tqdm.auto import tqdm
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine, PromptInput
+from strata.engine.request import ProcessedPrompt
 from strata.engine_args import EngineArgs
-from strata.multimodal.chat import render_chat
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import read_chat_template
@@ -39,7 +39,7 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+    def generate(self, prompts: PromptInput | ProcessedPrompt | Sequence[PromptInput | ProcessedPrompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
@@ -76,14 +76,10 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        template = read_chat_template(chat_template) or self.engine.config.chat_template
-        prompts = []
-        for conversation in conversations:
-            # Image parts ({"type": "image_url", ...}) are loaded, tiled and expanded into placeholder ids.
-            chat = render_chat(self.engine.tokenizer, conversation, self.engine.mm_processor, template,
-                               add_generation_prompt, **self.media_options)
-            prompts.append({"prompt": chat.text, "prompt_token_ids": chat.token_ids,
-                            "multi_modal_data": chat.mm_inputs})
+        template = read_chat_template(chat_template)
+        # Image parts ({"type": "image_url", ...}) are loaded, tiled and expanded into placeholder ids.
+        prompts = [self.engine.render_chat(conversation, template, add_generation_prompt, **self.media_options)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:

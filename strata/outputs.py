@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -9,6 +10,23 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+class TokenLogprobs(NamedTuple):
+    """What the sampler reports for one position: the top-k alternatives, then the chosen token's logprob and
+    its 1-based rank in the whole vocabulary."""
+
+    top_ids: list[int]
+    top_logprobs: list[float]
+    logprob: float
+    rank: int
+
+
+class PromptLogprobsChunk(NamedTuple):
+    """Logprobs of the prompt tokens at positions start, start + 1, ... computed in one step."""
+
+    start: int
+    positions: list[TokenLogprobs]
 
 
 # One dict per position: token id -> Logprob (the sampled token plus the top-k).

@@ -11,6 +11,7 @@ from typing import Any
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine, PromptInput
+from strata.engine.request import ProcessedPrompt
 from strata.errors import EngineDeadError, StrataError
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
@@ -43,30 +44,28 @@ class AsyncEngine:
         return self.dead_error is not None
 
     def stats(self) -> dict[str, Any]:
-        sched = self.engine.scheduler
-        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_usage": sched.kv.usage,
-                "prefix_queries": sched.kv.prefix_queries, "prefix_hits": sched.kv.prefix_hits,
-                "num_preemptions": sched.num_preemptions,
-                "free_blocks": sched.kv.pool.num_free, "total_blocks": sched.kv.pool.num_blocks,
-                **self.engine.stats}
+        return self.engine.snapshot()
 
-    def prepare_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int], Any]:
+    def process_prompt(self, prompt: PromptInput | ProcessedPrompt, truncate_prompt_tokens: int | None = None,
+                       truncation_side: str = "left") -> ProcessedPrompt:
         """Tokenize and validate in the caller, so a bad prompt fails before any streaming starts."""
-        text, token_ids, mm = self.engine.tokenize_prompt(prompt)
-        self.engine.validate_prompt(token_ids)
-        return text, token_ids, mm
+        return self.engine.process_prompt(prompt, truncate_prompt_tokens, truncation_side)
 
-    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams
+    def render_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, **kwargs: Any) -> ProcessedPrompt:
+        """A conversation as a validated prompt (see Engine.render_chat), rendered in the caller."""
+        return self.engine.render_chat(messages, chat_template, add_generation_prompt, **kwargs)
+
+    async def generate(self, request_id: str, prompt: PromptInput | ProcessedPrompt, params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs of one request until it finishes; leaving early aborts it."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}")
-        text, token_ids, mm = self.prepare_prompt(prompt)
+        prompt = self.process_prompt(prompt)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        prepared = {"prompt": text, "prompt_token_ids": token_ids, "multi_modal_data": mm}
-        self._commands.put(("add", request_id, prepared, params))
+        self._commands.put(("add", request_id, prompt, params))
         self._wake.set()
         finished = False
         try:
@@ -116,7 +115,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
-                    self.engine.executor.check_health()  # a worker may die while the engine is idle
+                    self.engine.check_health()  # a worker may die while the engine is idle
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue

@@ -8,15 +8,15 @@ from typing import Any
 
 from strata.config import EngineConfig
 from strata.engine.kv_cache import KVCacheManager
-from strata.engine.output_processor import RequestGroup, SequenceState, TokenTextCache
-from strata.engine.request import Request, RequestStatus
+from strata.engine.output_processor import RequestGroup, SequenceState, TokenTextCache, stop_condition
+from strata.engine.request import ProcessedPrompt, Request
 from strata.engine.scheduler import Scheduler
 from strata.engine.state_cache import SlotPool
 from strata.errors import RequestError
 from strata.executor.executor import create_executor
 from strata.executor.model_runner import RunnerOutput
-from strata.multimodal.chat import ImagePromptProcessor
-from strata.outputs import Logprob, RequestOutput
+from strata.multimodal.chat import ImagePromptProcessor, render_chat
+from strata.outputs import Logprob, PromptLogprobsChunk, RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import load_tokenizer
 
@@ -48,7 +48,40 @@ class Engine:
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int], Any]:
+    def process_prompt(self, prompt: PromptInput | ProcessedPrompt, truncate_prompt_tokens: int | None = None,
+                       truncation_side: str = "left") -> ProcessedPrompt:
+        """Tokenize, attach images and validate: the one place a prompt is checked on its way in.
+        `truncate_prompt_tokens` keeps that many tokens (-1: the context length) from `truncation_side`'s
+        opposite end, as vLLM's completions do; the text of a truncated prompt is dropped."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        text, token_ids, mm = self._tokenize(prompt)
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            token_ids = (token_ids[:keep] if truncation_side == "right"
+                         else token_ids[len(token_ids) - min(keep, len(token_ids)):])
+            text = None
+        if mm is not None:
+            if self.mm_processor is None:
+                raise RequestError("this model is text-only and cannot take multi_modal_data",
+                                   param="multi_modal_data")
+            token_ids, mm = self.mm_processor.attach(token_ids, mm)
+        return self._validated(ProcessedPrompt(text, token_ids, mm))
+
+    def render_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, *, template_kwargs: dict[str, Any] | None = None,
+                    allowed_local_media_path: str | None = None, allow_remote_media: bool = False,
+                    validate: bool = True) -> ProcessedPrompt:
+        """One conversation through the chat template (the configured one unless given), its images loaded,
+        tiled and expanded into placeholder ids; validated like any prompt unless `validate` is False (for
+        /tokenize, which counts the tokens of any conversation)."""
+        chat = render_chat(self.tokenizer, messages, self.mm_processor, chat_template or self.config.chat_template,
+                           add_generation_prompt, allowed_local_media_path=allowed_local_media_path,
+                           allow_remote_media=allow_remote_media, **(template_kwargs or {}))
+        prompt = ProcessedPrompt(chat.text, chat.token_ids, chat.mm_inputs)
+        return self._validated(prompt) if validate else prompt
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], Any]:
         mm = None
         if isinstance(prompt, dict):
             mm = prompt.get("multi_modal_data")
@@ -62,7 +95,8 @@ class Engine:
         raise RequestError("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
                            "'prompt_token_ids'", param="prompt")
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
+    def _validated(self, prompt: ProcessedPrompt) -> ProcessedPrompt:
+        token_ids = prompt.token_ids
         if not token_ids:
             raise RequestError("the prompt is empty", param="prompt")
         if len(token_ids) >= self.max_model_len:
@@ -73,26 +107,22 @@ class Engine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+        return prompt
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptInput | ProcessedPrompt, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
+        """Queue a request; a raw prompt is processed here, a ProcessedPrompt is taken as it is."""
         if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already running", param="request_id")
-        text, token_ids, mm = self.tokenize_prompt(prompt)
-        if mm is not None:
-            if self.mm_processor is None:
-                raise RequestError("this model is text-only and cannot take multi_modal_data",
-                                   param="multi_modal_data")
-            token_ids, mm = self.mm_processor.attach(token_ids, mm)
-        self.validate_prompt(token_ids)
+        prompt = self.process_prompt(prompt)
         params = params.clone()
         params.all_stop_token_ids = set(self.stop_token_ids)
-        group = RequestGroup(request_id, text, token_ids, params, self.tokenizer)
+        group = RequestGroup(request_id, prompt.text, prompt.token_ids, params, self.tokenizer)
         self.groups[request_id] = group
         for seq in group.sequences:
             self.sequence_of[seq.request_id] = (group, seq)
-            self.scheduler.add(Request(seq.request_id, token_ids, group.child_params(seq.index),
-                                       self.max_model_len, arrival_time, mm))
+            self.scheduler.add(Request(seq.request_id, prompt.token_ids, group.child_params(seq.index),
+                                       self.max_model_len, arrival_time, prompt.mm_inputs))
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
@@ -129,7 +159,8 @@ class Engine:
 
     def _apply_token(self, request: Request, result: RunnerOutput, touched: dict) -> None:
         found = self.sequence_of.get(request.request_id)
-        if found is None:
+        if found is None:  # not expected (abort_request drops both together), but never leave it running
+            self.scheduler.abort(request.request_id)
             return
         group, seq = found
         token = request.token_ids[-1]
@@ -138,28 +169,27 @@ class Engine:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
             group.num_cached_tokens = max(request.num_cached_tokens, 0)
-        if seq.logprobs is not None and request.request_id in result.logprobs:
-            top_ids, top_lps, token_lp, rank = result.logprobs[request.request_id]
-            seq.logprobs.append(self.token_text.position(top_ids, top_lps, token, token_lp, rank))
-            seq.cumulative_logprob += token_lp
-        stop = seq.detokenizer.add(token)
-        if stop is not None and not request.finished:
-            request.stop_reason = stop
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        if request.finished:
-            if stop is None:
+        lps = result.logprobs.get(request.request_id)
+        if seq.logprobs is not None and lps is not None:
+            seq.logprobs.append(self.token_text.position(token, lps))
+            seq.cumulative_logprob += lps.logprob
+        stop_string = seq.detokenizer.add(token)  # always: it also extends the text
+        stop = stop_condition(request, stop_string)
+        if stop is not None:
+            if stop_string is None:
                 seq.detokenizer.flush()
+            request.stop_reason = stop[1]
+            self.scheduler.finish(request, stop[0])
             seq.finish_reason, seq.stop_reason = request.status.value, request.stop_reason
         touched[group.request_id] = group
 
-    def _apply_prompt_logprobs(self, request_id: str, entries: list, touched: dict) -> None:
+    def _apply_prompt_logprobs(self, request_id: str, chunk: PromptLogprobsChunk, touched: dict) -> None:
         found = self.sequence_of.get(request_id)
         if found is None or found[1].index != 0 or found[0].prompt_logprobs is None:
             return
         group = found[0]
-        for position, token_lp, rank, top_ids, top_lps in entries:
-            token = group.prompt_token_ids[position]
-            group.prompt_logprobs[position] = self.token_text.position(top_ids, top_lps, token, token_lp, rank)
+        for position, lps in enumerate(chunk.positions, chunk.start):
+            group.prompt_logprobs[position] = self.token_text.position(group.prompt_token_ids[position], lps)
         touched[group.request_id] = group
 
     def _collect_outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
@@ -172,8 +202,20 @@ class Engine:
                     self.sequence_of.pop(seq.request_id, None)
         return outputs
 
+    def snapshot(self) -> dict[str, Any]:
+        """Scheduler, KV cache and token counters, for the stats log line, /metrics and /get_load."""
+        sched, kv = self.scheduler, self.scheduler.kv
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_usage": kv.usage,
+                "prefix_queries": kv.prefix_queries, "prefix_hits": kv.prefix_hits,
+                "num_preemptions": sched.num_preemptions,
+                "free_blocks": kv.pool.num_free, "total_blocks": kv.pool.num_blocks, **self.stats}
+
+    def check_health(self) -> None:
+        """Raise if a worker died (the engine loop calls this while idle, when no step would notice)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self.executor.shutdown()
 
 
-__all__ = ["Engine", "Logprob"]
+__all__ = ["Engine", "Logprob", "ProcessedPrompt", "PromptInput"]

@@ -1,10 +1,11 @@
-"""Per-request output state: detokenization, stop strings, logprobs and n > 1 fan-out."""
+"""Per-request output state: detokenization, stop conditions, logprobs and n > 1 fan-out."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from strata.engine.request import Request, RequestStatus
+from strata.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, TokenLogprobs
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import IncrementalDetokenizer, fast_decoder
 
@@ -22,14 +23,31 @@ class TokenTextCache:
             text = self._text[token_id] = self._decode([token_id])
         return text
 
-    def position(self, top_ids: list[int], top_lps: list[float], token: int, token_lp: float,
-                 token_rank: int) -> PositionLogprobs:
-        entry = {t: Logprob(lp, r + 1, self(t)) for r, (t, lp) in enumerate(zip(top_ids, top_lps, strict=True))}
+    def position(self, token: int, lps: TokenLogprobs) -> PositionLogprobs:
+        """The chosen token first, then its top-k alternatives (the chosen one only once)."""
+        entry = {t: Logprob(lp, r + 1, self(t))
+                 for r, (t, lp) in enumerate(zip(lps.top_ids, lps.top_logprobs, strict=True))}
         if token not in entry:
-            entry[token] = Logprob(token_lp, token_rank, self(token))
+            entry[token] = Logprob(lps.logprob, lps.rank, self(token))
         else:
             entry = {token: entry.pop(token), **entry}
         return entry
+
+
+def stop_condition(request: Request, stop_string: str | None) -> tuple[RequestStatus, int | str | None] | None:
+    """Whether the request's last token ends it, and why: every stop rule in one place, in order of precedence.
+    EOS and stop_token_ids (once min_tokens are out), then length, then a stop string found in the text."""
+    token, params = request.token_ids[-1], request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in params.all_stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= request.max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    if stop_string is not None:
+        return RequestStatus.FINISHED_STOPPED, stop_string
+    return None
 
 
 @dataclass

@@ -1,10 +1,23 @@
-"""A request as the scheduler sees it: its tokens, how many are computed, its blocks and its state slot."""
+"""A request on its way in (ProcessedPrompt), then as the scheduler sees it: its tokens, how many are computed,
+its blocks and its state slot."""
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from strata.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt tokenized and validated once (Engine.process_prompt or Engine.render_chat), then passed down
+    unchanged: the server checks it before streaming, the engine thread queues it as it is."""
+
+    text: str | None
+    token_ids: list[int]
+    mm_inputs: Any = None  # model-specific multimodal inputs (e.g. image tiles), or None
 
 
 class RequestStatus(enum.Enum):

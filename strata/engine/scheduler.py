@@ -156,7 +156,8 @@ class Scheduler:
             request.state_slot = -1
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply one step's results; returns requests that got a new token or finished."""
+        """Apply one step's results; returns requests that got a new token (the engine decides whether it
+        stops them, and calls `finish`, before the next step is scheduled)."""
         changed = []
         for s in out.requests:
             request = self.requests.get(s.request_id)
@@ -170,20 +171,8 @@ class Scheduler:
             token = sampled.get(s.request_id)
             if s.sample and token is not None:
                 request.token_ids.append(token)
-                self._check_stop(request, token)
                 changed.append(request)
         return changed
-
-    def _check_stop(self, request: Request, token: int) -> None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in params.all_stop_token_ids:
-                return self.finish(request, RequestStatus.FINISHED_STOPPED)
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return self.finish(request, RequestStatus.FINISHED_STOPPED)
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= request.max_model_len:
-            self.finish(request, RequestStatus.FINISHED_LENGTH)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         if request.finished:

@@ -22,6 +22,7 @@ from strata.layers.linear import pack_linear_weights
 from strata.layers.mamba.mixer import MambaState, allocate_states, state_bytes_per_slot
 from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
 from strata.models import loader
+from strata.outputs import PromptLogprobsChunk, TokenLogprobs
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,9 +42,8 @@ class ForwardMeta:
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, tuple[list[int], list[float], float, int]] = field(default_factory=dict)
-    # request id -> [(prompt position, token logprob, rank, top ids, top logprobs)]
-    prompt_logprobs: dict[str, list[tuple[int, float, int, list[int], list[float]]]] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled token, when asked
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 @dataclass
@@ -259,5 +259,5 @@ class ModelRunner:
             targets = torch.tensor(state.prompt_token_ids[first + 1:last + 1], device=self.device)
             ids, lps, target_lp, rank = top_logprobs(logits.log_softmax(-1), targets, k)
             ids, lps, target_lp, rank = ids.tolist(), lps.tolist(), target_lp.tolist(), rank.tolist()
-            result.prompt_logprobs[s.request_id] = [
-                (first + 1 + j, target_lp[j], rank[j], ids[j], lps[j]) for j in range(last - first)]
+            result.prompt_logprobs[s.request_id] = PromptLogprobsChunk(
+                first + 1, [TokenLogprobs(ids[j], lps[j], target_lp[j], rank[j]) for j in range(last - first)])

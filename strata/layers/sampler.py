@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.outputs import TokenLogprobs
 from strata.sampling_params import SamplingParams
 
 
@@ -25,8 +26,7 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row, when logprobs were asked: (top ids, top logprobs, sampled logprob, sampled rank).
-    logprobs: list[tuple[list[int], list[float], float, int] | None]
+    logprobs: list[TokenLogprobs | None]  # per row, when logprobs were asked
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
@@ -58,7 +58,7 @@ class Sampler:
             return SamplerOutput(token_list, [None] * len(rows))
         k = max(x or 0 for x in want_logprobs)
         top_ids, top_lp, chosen_lp, rank = (t.tolist() for t in top_logprobs(raw_logprobs, tokens, k))
-        logprobs = [None if want is None else (top_ids[i][:want], top_lp[i][:want], chosen_lp[i], rank[i])
+        logprobs = [None if want is None else TokenLogprobs(top_ids[i][:want], top_lp[i][:want], chosen_lp[i], rank[i])
                     for i, want in enumerate(want_logprobs)]
         return SamplerOutput(token_list, logprobs)
 

@@ -196,7 +196,7 @@ def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics,
         body = await parse_body(request, TokenizeRequest)
         chat.check_model(body.model)
         if body.messages is not None:
-            ids = chat.render(body.messages, body.add_generation_prompt).token_ids
+            ids = chat.render(body.messages, body.add_generation_prompt, validate=False).token_ids
         elif body.prompt is not None:
             ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         else:

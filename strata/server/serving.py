@@ -4,12 +4,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from strata.engine.async_engine import AsyncEngine
+from strata.engine.request import ProcessedPrompt
 from strata.errors import EngineDeadError, NotFoundError, RequestError, StrataError
 from strata.outputs import Logprob, PositionLogprobs, RequestOutput
 from strata.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -36,21 +36,6 @@ _LOGPROB_FLOOR = -9999.0
 Disconnected = Callable[[], Awaitable[None]]
 
 
-@dataclass
-class Prepared:
-    """A validated prompt: its text (if any) and the token ids the engine will see."""
-
-    text: str | None
-    token_ids: list[int]
-    mm_inputs: Any = None  # image tiles of a multimodal chat prompt
-
-    def as_input(self) -> dict[str, Any]:
-        prompt = {"prompt": self.text, "prompt_token_ids": self.token_ids}
-        if self.mm_inputs is not None:
-            prompt["multi_modal_data"] = self.mm_inputs
-        return prompt
-
-
 class Serving:
     """Base of the completions and chat handlers: one engine, its served names and its metrics."""
 
@@ -59,7 +44,6 @@ class Serving:
         self.metrics = metrics
         self.log_requests = log_requests
         self.served_model_names = list(engine.config.served_model_names)
-        self.max_model_len = engine.config.model.max_model_len
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
 
@@ -105,16 +89,13 @@ class Serving:
             presence_penalty=given(req.presence_penalty, 0.0), frequency_penalty=given(req.frequency_penalty, 0.0),
             repetition_penalty=given(req.repetition_penalty, 1.0), skip_special_tokens=req.skip_special_tokens)
 
-    def prepare(self, prompt: str | list[int] | dict[str, Any]) -> Prepared:
-        """Tokenize and validate now, so a bad prompt is a 400 even for a streamed request."""
-        text, token_ids, mm = self.engine.prepare_prompt(prompt)
-        return Prepared(text, token_ids, mm)
-
-    def open_stream(self, request_id: str, prepared: Prepared, params: SamplingParams,
+    def open_stream(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                     arrival: float) -> AsyncIterator[RequestOutput]:
+        """The engine's stream of one prompt, processed (tokenized and validated) before the response starts,
+        so a bad prompt is a 400 even for a streamed request."""
         if self.log_requests:
-            logger.info("request %s: %d prompt tokens, %s", request_id, len(prepared.token_ids), params)
-        stream = self.engine.generate(request_id, prepared.as_input(), params)
+            logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt.token_ids), params)
+        stream = self.engine.generate(request_id, prompt, params)
         return self.metrics.track(_engine_failures_as_500(stream), arrival)
 
     def token_text(self, token_id: int) -> str:

@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from strata.engine.request import ProcessedPrompt
 from strata.errors import RequestError
-from strata.multimodal.chat import render_chat
 from strata.outputs import CompletionOutput, RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.server.protocol import (
@@ -24,7 +24,6 @@ from strata.server.protocol import (
 )
 from strata.server.serving import (
     Disconnected,
-    Prepared,
     Serving,
     final_outputs,
     merge_streams,
@@ -38,7 +37,7 @@ from strata.server.serving import (
 class _ChatJob:
     request_id: str
     model: str
-    prompt: Prepared
+    prompt: ProcessedPrompt
     params: SamplingParams
     req: ChatCompletionRequest
 
@@ -53,18 +52,18 @@ class ChatServing(Serving):
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: str | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> Prepared:
-        """The conversation as prompt text and ids (the template carries its own BOS, so none is added)."""
+               template_kwargs: dict[str, Any] | None = None, validate: bool = True) -> ProcessedPrompt:
+        """The conversation as a prompt, validated unless asked not to (the template carries its own BOS, so
+        none is added)."""
         kwargs = dict(template_kwargs or {})
         if continue_final_message:
             if add_generation_prompt:
                 raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
                                    param="continue_final_message")
             kwargs["continue_final_message"] = True
-        rendered = render_chat(self.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
-                               self.engine.engine.mm_processor, chat_template or self.chat_template,
-                               add_generation_prompt, **self.media_options, **kwargs)
-        return Prepared(rendered.text, rendered.token_ids, rendered.mm_inputs)
+        return self.engine.render_chat([m.model_dump(exclude_none=True) for m in messages],
+                                       chat_template or self.chat_template, add_generation_prompt,
+                                       template_kwargs=kwargs, validate=validate, **self.media_options)
 
     async def create(self, req: ChatCompletionRequest, disconnected: Disconnected | None = None
                      ) -> ChatCompletionResponse | AsyncIterator[str] | None:
@@ -89,9 +88,8 @@ class ChatServing(Serving):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                       prompt_logprobs=req.prompt_logprobs)
-        rendered = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template, req.chat_template_kwargs)
-        prompt = self.prepare(rendered.as_input())
+        prompt = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                             req.chat_template, req.chat_template_kwargs)
         return _ChatJob(random_id("chatcmpl"), model, prompt, params, req)
 
     def _logprobs(self, job: _ChatJob, token_ids: list[int], seq: CompletionOutput, start: int = 0):

@@ -5,13 +5,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from strata.engine.request import ProcessedPrompt
 from strata.errors import RequestError
 from strata.outputs import CompletionOutput, RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, random_id
 from strata.server.serving import (
     Disconnected,
-    Prepared,
     Serving,
     final_outputs,
     merge_streams,
@@ -27,7 +27,7 @@ class _Job:
 
     request_id: str
     model: str
-    prompts: list[Prepared]
+    prompts: list[ProcessedPrompt]
     params: SamplingParams
     req: CompletionRequest
     prompt_only: bool  # echo with max_tokens=0: one token is generated for the logits, then dropped
@@ -74,22 +74,14 @@ class CompletionServing(Serving):
             prompt_logprobs = max(prompt_logprobs if prompt_logprobs is not None else 0, req.logprobs)
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                       prompt_logprobs=prompt_logprobs)
-        prompts = [self._prepare(p, req) for p in _split_prompts(req.prompt)]
+        prompts = [self.engine.process_prompt(p, req.truncate_prompt_tokens, req.truncation_side or "left")
+                   for p in _split_prompts(req.prompt)]
         return _Job(random_id("cmpl"), model, prompts, params, req, prompt_only)
 
-    def _prepare(self, prompt: str | list[int], req: CompletionRequest) -> Prepared:
-        keep = req.truncate_prompt_tokens
-        if keep is None:
-            return self.prepare(prompt)
-        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-        keep = self.max_model_len if keep == -1 else keep
-        ids = ids[:keep] if req.truncation_side == "right" else ids[len(ids) - min(keep, len(ids)):]
-        return self.prepare({"prompt_token_ids": ids})
+    def _echo_text(self, prompt: ProcessedPrompt) -> str:
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
 
-    def _echo_text(self, prepared: Prepared) -> str:
-        return prepared.text if prepared.text is not None else self.tokenizer.decode(prepared.token_ids)
-
-    def _choice(self, job: _Job, index: int, prepared: Prepared, out: RequestOutput,
+    def _choice(self, job: _Job, index: int, prompt: ProcessedPrompt, out: RequestOutput,
                 seq: CompletionOutput) -> CompletionChoice:
         req = job.req
         token_ids = [] if job.prompt_only else seq.token_ids
@@ -97,7 +89,7 @@ class CompletionServing(Serving):
         positions = [] if job.prompt_only else (seq.logprobs or [])[:len(token_ids)]
         echo_ids: list[int] = []
         if req.echo:
-            text = self._echo_text(prepared) + text
+            text = self._echo_text(prompt) + text
             echo_ids = list(out.prompt_token_ids)
         logprobs = None
         if req.logprobs is not None:
@@ -114,9 +106,9 @@ class CompletionServing(Serving):
 
     def _response(self, job: _Job, finals: list[RequestOutput]) -> CompletionResponse:
         choices, completion_tokens = [], 0
-        for i, (prepared, out) in enumerate(zip(job.prompts, finals, strict=True)):
+        for i, (prompt, out) in enumerate(zip(job.prompts, finals, strict=True)):
             for seq in out.outputs:
-                choices.append(self._choice(job, i * job.params.n + seq.index, prepared, out, seq))
+                choices.append(self._choice(job, i * job.params.n + seq.index, prompt, out, seq))
                 completion_tokens += 0 if job.prompt_only else len(seq.token_ids)
         prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
         cached = sum(out.num_cached_tokens for out in finals)
@@ -144,7 +136,7 @@ class CompletionServing(Serving):
             completion_tokens = 0 if job.prompt_only else sum(s.num_tokens for s in states)
             yield sse(_chunk(job, [], usage(prompt_tokens, completion_tokens)))
 
-    def _delta_choice(self, job: _Job, index: int, prepared: Prepared, out: RequestOutput,
+    def _delta_choice(self, job: _Job, index: int, prompt: ProcessedPrompt, out: RequestOutput,
                       seq: CompletionOutput, state: _ChoiceState) -> CompletionChoice | None:
         """The new part of one sample since the last chunk, or None when there is nothing new."""
         finished = seq.finish_reason is not None
@@ -157,7 +149,7 @@ class CompletionServing(Serving):
         prefix_ids: list[int] = []
         prefix_text = ""
         if job.req.echo and not state.started:
-            prefix_text, prefix_ids = self._echo_text(prepared), list(out.prompt_token_ids)
+            prefix_text, prefix_ids = self._echo_text(prompt), list(out.prompt_token_ids)
         logprobs = None
         if job.req.logprobs is not None:
             prompt_positions = list(out.prompt_logprobs or [None] * len(prefix_ids))[:len(prefix_ids)]

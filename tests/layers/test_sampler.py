@@ -89,3 +89,10 @@ def test_logprobs_are_raw_with_rank_of_the_sampled_token():
     ref = logits.log_softmax(-1)[0]
     assert top_ids == [0, 2] and rank == 1
     assert abs(top_lps[1] - ref[2].item()) < 1e-6 and abs(token_lp - ref[0].item()) < 1e-6
+
+
+def test_logprobs_are_named_records():
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    lps = sampler()(logits, [row(temperature=0, logprobs=1)]).logprobs[0]
+    assert lps.top_ids == [1] and lps.rank == 1
+    assert lps.logprob == lps.top_logprobs[0]
