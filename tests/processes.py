@@ -61,3 +61,18 @@ def spawned_workers(pid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             pass
     return found
+
+
+def zombie_children(pid: int) -> list[int]:
+    """Children of `pid` that have exited but were never waited for."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                continue
+            if state == "Z" and int(ppid) == pid:
+                found.append(int(entry))
+    return found
