@@ -63,16 +63,12 @@ def spawned_workers(pid: int) -> list[int]:
     return found
 
 
-def zombie_children(pid: int) -> list[int]:
-    """Children of `pid` that have exited but were never waited for."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-            except (FileNotFoundError, ProcessLookupError, ValueError):
-                continue
-            if state == "Z" and int(ppid) == pid:
-                found.append(int(entry))
-    return found
+
+def wait_reaped(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids that still exist after waiting up to `timeout_s`, running or as zombies nobody waited for."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") for p in pids):
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if os.path.exists(f"/proc/{p}")]
