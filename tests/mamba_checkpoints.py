@@ -129,8 +129,8 @@ class StepRunner:
 
     def __init__(self, path: Path, max_model_len: int = 256, max_num_seqs: int = 8, **engine_args) -> None:
         from strata.config import EngineConfig
-        from strata.executor.model_runner import ModelRunner
         from strata.distributed import ParallelContext
+        from strata.executor.model_runner import ModelRunner
 
         self.config = EngineConfig.create(str(path), dtype=engine_args.pop("dtype", "float32"), device="cpu",
                                           max_model_len=max_model_len, max_num_seqs=max_num_seqs, **engine_args)
@@ -142,7 +142,7 @@ class StepRunner:
     def step(self, chunks: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
         """chunks: (request id, tokens fed now, tokens already computed); returns [len(tokens), vocab] each,
         in the order given (the runner itself reorders decodes first)."""
-        from strata.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+        from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
         from strata.sampling_params import SamplingParams
 
         requests = []

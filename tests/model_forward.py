@@ -5,9 +5,9 @@ import torch
 
 from strata import SamplingParams
 from strata.config import EngineConfig
-from strata.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
-from strata.executor.model_runner import ModelRunner
 from strata.distributed import ParallelContext
+from strata.executor.model_runner import ModelRunner
+from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 def strata_logits(path, token_ids: list[int], pc: ParallelContext | None = None) -> torch.Tensor:

@@ -61,3 +61,14 @@ def spawned_workers(pid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             pass
     return found
+
+
+
+def wait_reaped(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids that still exist after waiting up to `timeout_s`, running or as zombies nobody waited for."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") for p in pids):
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if os.path.exists(f"/proc/{p}")]

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from strata.config import EngineConfig
-from strata.engine.scheduler import ScheduledRequest, SchedulerOutput
 from strata.distributed import ParallelContext
+from strata.executor.step import ScheduledRequest, SchedulerOutput
 from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
 from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
@@ -141,19 +142,32 @@ class ModelRunner:
                                                          list(s.new.prompt_token_ids), [], s.new.mm_inputs)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, intermediate: dict[str, torch.Tensor] | None = None
-                ) -> RunnerOutput | dict[str, torch.Tensor]:
-        self._update_states(out)
-        if not out.requests:
+    def execute(self, out: SchedulerOutput, intermediate: Any = None) -> RunnerOutput:
+        """One step on the last stage (or the only one): the sampled tokens and the logprobs asked for."""
+        assert self.pc.is_last_stage, "stages before the last run execute_stage"
+        requests = self._begin_step(out)
+        if not requests:
             return RunnerOutput()
-        requests = sorted(out.requests, key=lambda s: len(s.token_ids) != 1)  # decodes first
+        return self._sample(requests, self._forward(requests, intermediate))
+
+    @torch.inference_mode()
+    def execute_stage(self, out: SchedulerOutput, intermediate: Any = None) -> Any:
+        """One step on a stage before the last: the intermediate tensors for the next stage (None for a step
+        without requests). `intermediate` is what the previous stage sent (None on the first stage)."""
+        assert not self.pc.is_last_stage, "the last stage runs execute"
+        requests = self._begin_step(out)
+        return self._forward(requests, intermediate) if requests else None
+
+    def _begin_step(self, out: SchedulerOutput) -> list[ScheduledRequest]:
+        """Update per-request state; the step's requests in the order the batch is laid out (decodes first)."""
+        self._update_states(out)
+        return sorted(out.requests, key=lambda s: len(s.token_ids) != 1)
+
+    def _forward(self, requests: list[ScheduledRequest], intermediate: Any) -> Any:
         input_ids, positions, meta = self._prepare(requests)
         embeds = self._multimodal_embeds(requests, input_ids)
         extra = {} if embeds is None else {"inputs_embeds": embeds}
-        hidden = self.model(input_ids, positions, meta, intermediate, **extra)
-        if not self.pc.is_last_stage:
-            return hidden
-        return self._sample(requests, hidden)
+        return self.model(input_ids, positions, meta, intermediate, **extra)
 
     def _prepare(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:
         bs, dev = self.block_size, self.device

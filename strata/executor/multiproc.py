@@ -1,8 +1,8 @@
 """MultiprocExecutor: spawns this node's TP x PP worker processes and drives them; headless nodes for multi-node.
 
 Node 0's driver hosts the TCPStore every rank meets at (torch.distributed rendezvous and control
-messages). A step goes to every rank at once; stage i receives stage i-1's hidden states, runs its
-layers and hands on; the last stage's TP rank 0 writes the result back.
+messages, see strata.executor.protocol). A step goes to every rank at once; stage i receives stage i-1's
+hidden states, runs its layers and hands on; the last stage's TP rank 0 writes the result back.
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import signal
 import threading
 import time
@@ -21,29 +20,19 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from strata.config import EngineConfig, resolve_device
-from strata.engine.scheduler import SchedulerOutput
 from strata.errors import ConfigError, EngineDeadError
+from strata.executor import protocol
 from strata.executor.model_runner import RunnerOutput
-from strata.executor.worker import (
-    DEAD_MARKER,
-    ERROR_KEY,
-    EXITED_KEY,
-    NUM_BLOCKS_KEY,
-    RankInfo,
-    WorkerSpec,
-    connect_store,
-    init_key,
-    out_key,
-    shared_settings,
-    step_key,
-    worker_main,
-)
+from strata.executor.protocol import RankInfo, WorkerSpec, connect_store, shared_settings
+from strata.executor.step import SchedulerOutput
+from strata.executor.worker import worker_main
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint, or waiting for the other nodes to start
 _RESULT_TIMEOUT = timedelta(minutes=30)  # one step; liveness is watched separately, this is a last resort
 _GOODBYE_WAIT_S = 5.0
+_KILL_WAIT_S = 30.0
 
 
 def _local_ranks(config: EngineConfig, node_rank: int) -> range:
@@ -80,7 +69,12 @@ def stop_processes(procs: list, grace_s: float) -> None:
         proc.join(2.0)
         if proc.exitcode is None:
             proc.kill()
-            proc.join(2.0)
+    for proc in procs:
+        # Joining reaps: no process of ours is left a zombie. SIGKILL cannot be refused, so this wait is short
+        # unless the kernel holds the process (uninterruptible I/O).
+        proc.join(_KILL_WAIT_S)
+        if proc.exitcode is None:
+            logger.warning("%s did not exit %.0f s after SIGKILL", proc.name, _KILL_WAIT_S)
 
 
 def _describe_exit(proc) -> str:
@@ -117,10 +111,10 @@ class _Driver:
             if self.stopping.is_set():
                 return
             try:
-                error = client.get(ERROR_KEY).decode() if client.check([ERROR_KEY]) else None
+                error = protocol.read_error(client)
                 if ready and error is None:
                     time.sleep(0.2)  # a worker that raised writes its error just before it exits
-                    error = client.get(ERROR_KEY).decode() if client.check([ERROR_KEY]) else None
+                    error = protocol.read_error(client)
             except dist.DistError:
                 return  # the store is gone: we are shutting down
             if ready or error:
@@ -136,9 +130,8 @@ class _Driver:
             pending = range(self.collected, self.submitted)
         logger.error("a worker failed, the engine stops: %s", reason)
         try:
-            for n in pending:  # wake up collect()
-                client.set(out_key(n), DEAD_MARKER)
-            client.set(step_key(self.submitted), pickle.dumps(None))  # remote workers waiting for a step leave
+            protocol.mark_dead(client, pending)  # wakes up collect()
+            protocol.send_step(client, self.submitted, None)  # remote workers waiting for a step leave
         except dist.DistError:
             pass
         # Survivors may be blocked on the dead rank; end them now.
@@ -152,11 +145,10 @@ class _Driver:
         self.stopping.set()
         try:
             client = connect_store(self.host, self.port, timedelta(seconds=5))
-            if not client.check([NUM_BLOCKS_KEY]):  # still starting: ranks wait for this key, not a step
-                client.set(NUM_BLOCKS_KEY, "-1")
-            client.set(step_key(self.submitted), pickle.dumps(None))
+            protocol.abandon_startup(client)
+            protocol.send_step(client, self.submitted, None)
             deadline = time.monotonic() + _GOODBYE_WAIT_S
-            while (self.dead_reason is None and client.add(EXITED_KEY, 0) < self.world_size
+            while (self.dead_reason is None and protocol.num_exited(client) < self.world_size
                    and time.monotonic() < deadline):
                 time.sleep(0.05)
         except dist.DistError:
@@ -191,7 +183,7 @@ class MultiprocExecutor:
             self._finalizer()
             raise
         self.num_kv_blocks = min(info.max_kv_blocks for info in self.rank_infos)
-        self._driver.store.set(NUM_BLOCKS_KEY, str(self.num_kv_blocks))
+        protocol.send_num_blocks(self._driver.store, self.num_kv_blocks)
         self._driver.store.set_timeout(_RESULT_TIMEOUT)
         threading.Thread(target=self._driver.watch, name="strata-executor-watchdog", daemon=True).start()
         logger.info("KV cache: %d blocks of %d tokens on every rank", self.num_kv_blocks, config.cache.block_size)
@@ -207,15 +199,12 @@ class MultiprocExecutor:
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S + 60
         while True:
             for rank in range(world_size):
-                if rank not in infos and driver.store.check([init_key(rank)]):
-                    status, payload = pickle.loads(driver.store.get(init_key(rank)))
-                    if status == "error":
-                        cls, message, param = payload
-                        raise cls(message, param=param)
-                    infos[rank] = payload
+                info = None if rank in infos else protocol.poll_rank(driver.store, rank)
+                if info is not None:
+                    infos[rank] = info
             if len(infos) == world_size:
                 break
-            error = driver.store.get(ERROR_KEY).decode() if driver.store.check([ERROR_KEY]) else None
+            error = protocol.read_error(driver.store)
             exited = [p for p in driver.procs if p.exitcode is not None]
             if exited or error:
                 reasons = [_describe_exit(p) for p in exited] + ([error] if error else [])
@@ -230,11 +219,10 @@ class MultiprocExecutor:
 
     def submit(self, out: SchedulerOutput) -> int:
         driver = self._driver
-        message = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
         with driver.lock:
             self._raise_if_dead()
             n = driver.submitted
-            driver.store.set(step_key(n), message)
+            protocol.send_step(driver.store, n, out)
             driver.submitted += 1
         return n
 
@@ -242,16 +230,16 @@ class MultiprocExecutor:
         driver = self._driver
         self._raise_if_dead()
         try:
-            raw = driver.store.get(out_key(handle))
+            result = protocol.recv_result(driver.store, handle)
         except dist.DistError as e:
             raise EngineDeadError(f"no result from the workers for step {handle}: {e}") from e
-        if raw == DEAD_MARKER:
+        if result is None:
             self._raise_if_dead()
+            raise EngineDeadError(f"no result from the workers for step {handle}")
         with driver.lock:
             driver.collected = handle + 1
-        driver.store.delete_key(out_key(handle))
-        driver.store.delete_key(step_key(handle))
-        return pickle.loads(raw)
+        protocol.forget_step(driver.store, handle)
+        return result
 
     def _raise_if_dead(self) -> None:
         if self._driver.dead_reason is not None:
@@ -306,7 +294,7 @@ def _supervise(procs: list, host: str, port: int) -> int:
             reason = "; ".join(_describe_exit(p) for p in failed)
             logger.error("%s; stopping this node's workers", reason)
             try:
-                connect_store(host, port, timedelta(seconds=2)).set(ERROR_KEY, reason)
+                protocol.report_error(connect_store(host, port, timedelta(seconds=2)), reason)
             except dist.DistError:
                 pass  # node 0 is gone already
             stop_processes(procs, grace_s=1.0)

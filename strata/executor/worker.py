@@ -1,107 +1,34 @@
-"""One rank of the multiprocess executor: its process entry point, its step loop, and the control protocol.
+"""One rank of the multiprocess executor: its process entry point and its step loop.
 
-Control messages (pickled steps and results) travel through the TCPStore that node 0's driver hosts;
-tensors travel only through torch.distributed (TP collectives, PP hand-off between stages).
+What it says to the driver, and when, is in strata.executor.protocol.
 """
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from strata.config import EngineConfig
+from strata.distributed import PendingSend, pp_layer_range
 from strata.errors import StrataError
-from strata.executor.executor import kv_cache_blocks
+from strata.executor import protocol
+from strata.executor.kv_budget import kv_cache_blocks
 from strata.executor.model_runner import ModelRunner
-from strata.distributed import PendingSend, pp_layer_range, rank_layout
 from strata.executor.parallel import init_distributed
+from strata.executor.protocol import RankInfo, WorkerSpec, connect_store, shared_settings
+from strata.executor.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# Store keys. A step's key is deleted by the driver once its result came back, so the store stays small.
-NUM_BLOCKS_KEY = "num_kv_blocks"
-ERROR_KEY = "error"
-EXITED_KEY = "exited"
-# Written by the driver in place of a result that will never come (a worker died).
-DEAD_MARKER = b"\x00strata-dead"
 # A blocking store read waits this long at most; liveness is watched by other means.
 _FOREVER = timedelta(days=7)
-
-
-def step_key(n: int) -> str:
-    return f"step/{n}"
-
-
-def out_key(n: int) -> str:
-    return f"out/{n}"
-
-
-def init_key(rank: int) -> str:
-    return f"init/{rank}"
-
-
-def connect_store(host: str, port: int, timeout: timedelta, is_master: bool = False) -> dist.TCPStore:
-    """A TCPStore client (or the server, on node 0's driver); connecting retries until `timeout`."""
-    return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a spawned worker needs; pickled into the new process."""
-
-    config: EngineConfig
-    rank: int
-    local_rank: int
-    num_local_ranks: int
-    store_host: str
-    store_port: int
-    parent_pid: int
-    num_threads: int
-    backend: str  # gloo | nccl
-    log_level: int = logging.INFO
-    startup_timeout_s: float = 600.0
-
-    @property
-    def log_prefix(self) -> str:
-        tp_rank, pp_rank = rank_layout(self.config.parallel.tensor_parallel_size, self.rank)
-        return f"[tp{tp_rank} pp{pp_rank}]"
-
-
-@dataclass
-class RankInfo:
-    """What a rank reports once its weights are loaded."""
-
-    rank: int
-    tp_rank: int
-    pp_rank: int
-    pid: int
-    host: str
-    layers: tuple[int, int]
-    weight_bytes: int
-    kv_bytes_per_block: int
-    max_kv_blocks: int
-    settings: dict[str, object] = field(default_factory=dict)
-    param_names: list[str] = field(default_factory=list)
-
-
-def shared_settings(config: EngineConfig) -> dict[str, object]:
-    """Settings every node must agree on; each node parses its own command line, so they are compared."""
-    par = config.parallel
-    return {"architecture": config.model.architecture, "dtype": str(config.model.dtype).removeprefix("torch."),
-            "tensor_parallel_size": par.tensor_parallel_size, "pipeline_parallel_size": par.pipeline_parallel_size,
-            "pp_layer_partition": par.pp_layer_partition, "nnodes": par.nnodes,
-            "block_size": config.cache.block_size, "max_model_len": config.model.max_model_len,
-            "quantization": config.model.quantization, "seed": config.seed}
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -153,11 +80,9 @@ def _report_failure(store: dist.TCPStore | None, spec: WorkerSpec, error: BaseEx
         return
     try:
         if startup and isinstance(error, StrataError):
-            # The driver re-raises it as is (e.g. a ConfigError about the checkpoint).
-            payload = ("error", (type(error), error.message, error.param))
-            store.set(init_key(spec.rank), pickle.dumps(payload))
-        store.set(ERROR_KEY, f"worker {spec.log_prefix} (rank {spec.rank}, pid {os.getpid()}) failed: "
-                             f"{type(error).__name__}: {error}")
+            protocol.report_startup_error(store, spec.rank, error)
+        protocol.report_error(store, f"worker {spec.log_prefix} (rank {spec.rank}, pid {os.getpid()}) failed: "
+                                     f"{type(error).__name__}: {error}")
     except Exception:  # noqa: BLE001 - the driver may be gone; it then needs no report
         pass
 
@@ -199,8 +124,8 @@ class Worker:
             max_kv_blocks=kv_cache_blocks(config, per_block, self.device, spec.num_local_ranks, runner.state_bytes()),
             settings=shared_settings(config),
             param_names=runner.param_names)
-        self.store.set(init_key(spec.rank), pickle.dumps(("ok", info)))
-        num_blocks = int(self.store.get(NUM_BLOCKS_KEY))
+        protocol.report_ready(self.store, info)
+        num_blocks = protocol.recv_num_blocks(self.store)
         if num_blocks < 0:
             return False
         runner.allocate_kv_cache(num_blocks)
@@ -213,7 +138,7 @@ class Worker:
         n = 0
         while True:
             started = time.perf_counter()
-            step = pickle.loads(self.store.get(step_key(n)))
+            step = protocol.recv_step(self.store, n)
             self.times["idle"] += time.perf_counter() - started
             if step is None:
                 break
@@ -221,13 +146,13 @@ class Worker:
             n += 1
         if self.pending is not None:
             self.pending.wait()
-        self.store.add(EXITED_KEY, 1)
+        protocol.report_exit(self.store)
         t = self.times
         logger.info("%s shut down after %d steps: %.2f s computing, %.2f s waiting for the previous stage, "
                     "%.2f s for the next stage to take a batch, %.2f s for steps", self.spec.log_prefix, n,
                     t["compute"], t["recv"], t["send"], t["idle"])
 
-    def execute(self, n: int, step) -> None:
+    def execute(self, n: int, step: SchedulerOutput) -> None:
         pc, t = self.pc, self.times
         intermediate = None
         started = time.perf_counter()
@@ -235,7 +160,8 @@ class Worker:
             intermediate = pc.recv_intermediate(step.num_tokens, self.hidden_size, self.spec.config.model.dtype,
                                                 self.device)
         received = time.perf_counter()
-        result = self.runner.execute(step, intermediate)
+        runner = self.runner
+        result = runner.execute(step, intermediate) if pc.is_last_stage else runner.execute_stage(step, intermediate)
         computed = time.perf_counter()
         t["recv"] += received - started
         t["compute"] += computed - received
@@ -248,4 +174,4 @@ class Worker:
                 self.pending = pc.send_intermediate(result)
             t["send"] += time.perf_counter() - computed
         elif pc.tp_rank == 0:
-            self.store.set(out_key(n), pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+            protocol.send_result(self.store, n, result)

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import alive, free_port, wait_gone
+from processes import alive, free_port, wait_gone, wait_reaped
 
 from strata import LLM, ConfigError, EngineDeadError, SamplingParams
-from strata.engine.scheduler import ScheduledRequest, SchedulerOutput
+from strata.executor.step import ScheduledRequest, SchedulerOutput
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "import os", "Once upon a time"]
@@ -116,6 +116,29 @@ def test_a_killed_worker_fails_the_caller_within_seconds_and_leaves_no_process(l
     with pytest.raises(EngineDeadError):
         llm.generate(PROMPTS[:1], params, use_tqdm=False)
     llm.shutdown()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("how", ["shutdown", "killed_worker"])
+def test_no_zombie_is_left_after_shutdown_or_a_dead_worker(llama5, engine_args, how):
+    llm = LLM(str(llama5), tensor_parallel_size=2, **engine_args)
+    executor = llm.engine.executor
+    pids = executor.worker_pids
+    if how == "killed_worker":
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                executor.check_health()
+            except EngineDeadError:
+                break
+            time.sleep(0.05)
+        with pytest.raises(EngineDeadError):
+            executor.check_health()
+        # The engine reaps its workers as it stops, before anyone calls shutdown.
+        assert wait_reaped(pids, 5) == []
+    llm.shutdown()
+    assert wait_reaped(pids, 5) == []
     assert multiprocessing.active_children() == []
 
 

@@ -14,10 +14,10 @@ from transformers import Llama4TextConfig
 
 from strata import LLM, SamplingParams
 from strata.config import EngineConfig, HFConfig
-from strata.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from strata.distributed import ParallelContext
 from strata.errors import ConfigError
 from strata.executor.model_runner import ModelRunner
-from strata.distributed import ParallelContext
+from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
 from strata.models.llama4 import layer_kind
 
 # Scout-like: every layer MoE, top-1, qk-norm, llama3 RoPE. Maverick-like: dense/MoE interleaved, no qk-norm,

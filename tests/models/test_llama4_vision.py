@@ -16,10 +16,10 @@ from transformers import AutoTokenizer, Llama4ForConditionalGeneration
 
 from strata import LLM, SamplingParams
 from strata.config import EngineConfig, ModelConfig
-from strata.engine.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from strata.distributed import ParallelContext
 from strata.errors import ConfigError, RequestError
 from strata.executor.model_runner import ModelRunner
-from strata.distributed import ParallelContext
+from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
 from strata.models.pipeline import PPMissingLayer
 from strata.multimodal.chat import ImagePromptProcessor, render_chat
 

@@ -1,0 +1,199 @@
+"""The control protocol between the multiprocess executor's driver and its ranks, in the order it is spoken.
+
+Control messages are pickled into the TCPStore that node 0's driver hosts; tensors travel only through
+torch.distributed (TP collectives, PP hand-off between stages).
+
+1. The driver spawns each of its node's ranks with a `WorkerSpec` (other nodes' ranks are started by
+   `strata serve --node-rank R`, which builds the same spec from its own command line).
+2. Each rank loads its shard and answers `init/<rank>`: its `RankInfo`, or the `StrataError` that stopped it.
+3. The driver checks that every rank runs the same settings and writes the KV cache size every rank allocates
+   to `num_kv_blocks` (-1: start-up was abandoned, ranks leave).
+4. For each step n the driver writes `step/<n>`: a SchedulerOutput, or None to tell every rank to leave.
+   The last stage's TP rank 0 answers `out/<n>` with a RunnerOutput. Once the driver read it, it deletes both
+   keys so the store stays small. When a worker died, the driver writes DEAD_MARKER there instead, waking
+   its own reader.
+5. A rank that fails writes its reason to `error`; each rank that leaves in order adds one to `exited`.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from strata.config import EngineConfig
+from strata.distributed import rank_layout
+from strata.errors import StrataError
+from strata.executor.model_runner import RunnerOutput
+from strata.executor.step import SchedulerOutput
+
+
+def connect_store(host: str, port: int, timeout: timedelta, is_master: bool = False) -> dist.TCPStore:
+    """A TCPStore client (or the server, on node 0's driver); connecting retries until `timeout`."""
+    return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
+
+
+# 1. Spawning a rank.
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a spawned worker needs; pickled into the new process."""
+
+    config: EngineConfig
+    rank: int
+    local_rank: int
+    num_local_ranks: int
+    store_host: str
+    store_port: int
+    parent_pid: int
+    num_threads: int
+    backend: str  # gloo | nccl
+    log_level: int = logging.INFO
+    startup_timeout_s: float = 600.0
+
+    @property
+    def log_prefix(self) -> str:
+        tp_rank, pp_rank = rank_layout(self.config.parallel.tensor_parallel_size, self.rank)
+        return f"[tp{tp_rank} pp{pp_rank}]"
+
+
+# 2. A rank reports once its weights are loaded.
+
+
+@dataclass
+class RankInfo:
+    """What a rank reports once its weights are loaded."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    pid: int
+    host: str
+    layers: tuple[int, int]
+    weight_bytes: int
+    kv_bytes_per_block: int
+    max_kv_blocks: int
+    settings: dict[str, object] = field(default_factory=dict)
+    param_names: list[str] = field(default_factory=list)
+
+
+def shared_settings(config: EngineConfig) -> dict[str, object]:
+    """Settings every node must agree on; each node parses its own command line, so they are compared."""
+    par = config.parallel
+    return {"architecture": config.model.architecture, "dtype": str(config.model.dtype).removeprefix("torch."),
+            "tensor_parallel_size": par.tensor_parallel_size, "pipeline_parallel_size": par.pipeline_parallel_size,
+            "pp_layer_partition": par.pp_layer_partition, "nnodes": par.nnodes,
+            "block_size": config.cache.block_size, "max_model_len": config.model.max_model_len,
+            "quantization": config.model.quantization, "seed": config.seed}
+
+
+def _init_key(rank: int) -> str:
+    return f"init/{rank}"
+
+
+def report_ready(store: dist.Store, info: RankInfo) -> None:
+    store.set(_init_key(info.rank), pickle.dumps(("ok", info)))
+
+
+def report_startup_error(store: dist.Store, rank: int, error: StrataError) -> None:
+    """The driver re-raises it as is (e.g. a ConfigError about the checkpoint)."""
+    store.set(_init_key(rank), pickle.dumps(("error", (type(error), error.message, error.param))))
+
+
+def poll_rank(store: dist.Store, rank: int) -> RankInfo | None:
+    """The rank's RankInfo once it reported, None before; re-raises the StrataError it reported instead."""
+    if not store.check([_init_key(rank)]):
+        return None
+    status, payload = pickle.loads(store.get(_init_key(rank)))
+    if status == "error":
+        cls, message, param = payload
+        raise cls(message, param=param)
+    return payload
+
+
+# 3. The KV cache size every rank allocates.
+
+NUM_BLOCKS_KEY = "num_kv_blocks"
+
+
+def send_num_blocks(store: dist.Store, num_blocks: int) -> None:
+    store.set(NUM_BLOCKS_KEY, str(num_blocks))
+
+
+def abandon_startup(store: dist.Store) -> None:
+    """Ranks still starting wait for the KV cache size, not for a step; -1 sends them away."""
+    if not store.check([NUM_BLOCKS_KEY]):
+        send_num_blocks(store, -1)
+
+
+def recv_num_blocks(store: dist.Store) -> int:
+    """The number of KV blocks to allocate; negative when the driver gave up during start-up."""
+    return int(store.get(NUM_BLOCKS_KEY))
+
+
+# 4. Steps and their results.
+
+DEAD_MARKER = b"\x00strata-dead"  # in place of a result that will never come
+
+
+def _step_key(n: int) -> str:
+    return f"step/{n}"
+
+
+def _out_key(n: int) -> str:
+    return f"out/{n}"
+
+
+def send_step(store: dist.Store, n: int, step: SchedulerOutput | None) -> None:
+    """Step n for every rank; None tells the ranks to leave."""
+    store.set(_step_key(n), pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv_step(store: dist.Store, n: int) -> SchedulerOutput | None:
+    return pickle.loads(store.get(_step_key(n)))
+
+
+def send_result(store: dist.Store, n: int, result: RunnerOutput) -> None:
+    store.set(_out_key(n), pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def mark_dead(store: dist.Store, steps: range) -> None:
+    """Stand in for results that will never come (a worker died), waking whoever waits for them."""
+    for n in steps:
+        store.set(_out_key(n), DEAD_MARKER)
+
+
+def recv_result(store: dist.Store, n: int) -> RunnerOutput | None:
+    """Step n's result, waiting for it; None when it will never come (a worker died)."""
+    raw = store.get(_out_key(n))
+    return None if raw == DEAD_MARKER else pickle.loads(raw)
+
+
+def forget_step(store: dist.Store, n: int) -> None:
+    store.delete_key(_out_key(n))
+    store.delete_key(_step_key(n))
+
+
+# 5. Failures and goodbyes.
+
+ERROR_KEY = "error"
+EXITED_KEY = "exited"
+
+
+def report_error(store: dist.Store, reason: str) -> None:
+    store.set(ERROR_KEY, reason)
+
+
+def read_error(store: dist.Store) -> str | None:
+    return store.get(ERROR_KEY).decode() if store.check([ERROR_KEY]) else None
+
+
+def report_exit(store: dist.Store) -> None:
+    store.add(EXITED_KEY, 1)
+
+
+def num_exited(store: dist.Store) -> int:
+    return store.add(EXITED_KEY, 0)
