@@ -22,7 +22,8 @@ LEVELS: list[tuple[str, list[str]]] = [
     ("layers", ["strata.layers"]),
     ("kernels", ["strata.kernels"]),
     ("leaf modules", ["strata.distributed", "strata.config", "strata.sampling_params", "strata.errors",
-                      "strata.outputs", "strata.tokenizer", "strata.host_memory", "strata.native", "strata.demo"]),
+                      "strata.outputs", "strata.tokenizer", "strata.host_memory", "strata.native", "strata.demo",
+                      "strata.engine_args", "strata.model_registry"]),
 ]
 
 

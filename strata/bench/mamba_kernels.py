@@ -1,5 +1,5 @@
 """Milliseconds per call of the Mamba2 Triton kernels beside their torch references, on one device
-(`python -m strata.kernels.triton.mamba_benchmark` on a GPU prints them)."""
+(`python -m strata.bench.mamba_kernels` on a GPU prints them)."""
 from __future__ import annotations
 
 import json
