@@ -14,7 +14,7 @@ import torch
 
 from strata.config import EngineConfig
 from strata.engine.scheduler import ScheduledRequest, SchedulerOutput
-from strata.distributed import ParallelContext
+from strata.distributed import IntermediateTensors, ParallelContext
 from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
 from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
@@ -141,8 +141,8 @@ class ModelRunner:
                                                          list(s.new.prompt_token_ids), [], s.new.mm_inputs)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, intermediate: dict[str, torch.Tensor] | None = None
-                ) -> RunnerOutput | dict[str, torch.Tensor]:
+    def execute(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
+                ) -> RunnerOutput | IntermediateTensors:
         self._update_states(out)
         if not out.requests:
             return RunnerOutput()

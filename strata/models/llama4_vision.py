@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.config import HFConfig, ModelConfig
+from strata.distributed import IntermediateTensors, ParallelContext
 from strata.errors import RequestError
-from strata.distributed import ParallelContext
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from strata.layers.rotary import rope_parameters
 from strata.models import loader
+from strata.models.base import PPMissingLayer
 from strata.models.llama4 import Llama4ForCausalLM
-from strata.models.pipeline import PPMissingLayer
 
 # transformers builds every vision LayerNorm with the default eps, whatever `norm_eps` says.
 _LAYER_NORM_EPS = 1e-5
@@ -191,8 +191,9 @@ class Llama4ForConditionalGeneration(nn.Module):
             self.vision_model, self.multi_modal_projector = PPMissingLayer(), PPMissingLayer()
             self.missing_prefixes += ["vision_model", "multi_modal_projector"]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None,
-                inputs_embeds: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         return self.language_model(input_ids, positions, meta, intermediate, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
