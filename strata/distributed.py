@@ -61,9 +61,9 @@ class ParallelContext:
         """Global rank of the member of stage `pp_rank` that shares this rank's tp_rank."""
         return pp_rank * self.tp_size + self.tp_rank
 
-    def send_intermediate(self, tensors: dict[str, torch.Tensor]) -> PendingSend:
+    def send_intermediate(self, tensors: IntermediateTensors) -> PendingSend:
         """Start sending this stage's output to the same TP rank of the next stage; wait() before reuse."""
-        buffer = torch.stack([tensors[key] for key in INTERMEDIATE_KEYS]).contiguous()
+        buffer = torch.stack([tensors.hidden_states, tensors.residual]).contiguous()
         if self.send_channel is not None and buffer.device.type == "cpu":
             self.send_channel.send(buffer)
             return PendingSend(None, buffer)
@@ -71,18 +71,23 @@ class ParallelContext:
         return PendingSend(work, buffer)
 
     def recv_intermediate(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
-                          device: torch.device) -> dict[str, torch.Tensor]:
+                          device: torch.device) -> IntermediateTensors:
         """The previous stage's (hidden_states, residual) for a step of `num_tokens` tokens."""
-        buffer = torch.empty((len(INTERMEDIATE_KEYS), num_tokens, hidden_size), dtype=dtype, device=device)
+        buffer = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
         if self.recv_channel is not None and device.type == "cpu":
             self.recv_channel.recv(buffer)
         else:
             dist.recv(buffer, self.stage_rank(self.pp_rank - 1), group=self.world_group)
-        return dict(zip(INTERMEDIATE_KEYS, buffer.unbind(0), strict=True))
+        hidden_states, residual = buffer.unbind(0)
+        return IntermediateTensors(hidden_states, residual)
 
 
-# What a non-last stage hands to the next one; every tensor is [num_tokens, hidden_size].
-INTERMEDIATE_KEYS = ("hidden_states", "residual")
+@dataclass(frozen=True)
+class IntermediateTensors:
+    """What a non-last pipeline stage hands to the next one; both are [num_tokens, hidden_size]."""
+
+    hidden_states: torch.Tensor
+    residual: torch.Tensor
 
 
 @dataclass

@@ -8,13 +8,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from strata.config import EngineConfig
-from strata.distributed import ParallelContext
+from strata.distributed import IntermediateTensors, ParallelContext
 from strata.executor.step import ScheduledRequest, SchedulerOutput
 from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
@@ -142,7 +141,7 @@ class ModelRunner:
                                                          list(s.new.prompt_token_ids), [], s.new.mm_inputs)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, intermediate: Any = None) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None) -> RunnerOutput:
         """One step on the last stage (or the only one): the sampled tokens and the logprobs asked for."""
         assert self.pc.is_last_stage, "stages before the last run execute_stage"
         requests = self._begin_step(out)
@@ -151,7 +150,8 @@ class ModelRunner:
         return self._sample(requests, self._forward(requests, intermediate))
 
     @torch.inference_mode()
-    def execute_stage(self, out: SchedulerOutput, intermediate: Any = None) -> Any:
+    def execute_stage(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
+                      ) -> IntermediateTensors | None:
         """One step on a stage before the last: the intermediate tensors for the next stage (None for a step
         without requests). `intermediate` is what the previous stage sent (None on the first stage)."""
         assert not self.pc.is_last_stage, "the last stage runs execute"
@@ -163,7 +163,8 @@ class ModelRunner:
         self._update_states(out)
         return sorted(out.requests, key=lambda s: len(s.token_ids) != 1)
 
-    def _forward(self, requests: list[ScheduledRequest], intermediate: Any) -> Any:
+    def _forward(self, requests: list[ScheduledRequest], intermediate: IntermediateTensors | None
+                 ) -> torch.Tensor | IntermediateTensors:
         input_ids, positions, meta = self._prepare(requests)
         embeds = self._multimodal_embeds(requests, input_ids)
         extra = {} if embeds is None else {"inputs_embeds": embeds}

@@ -1,20 +1,47 @@
 """Llama (1, 2, 3.x): pre-norm decoder layers of GQA attention with RoPE and a SwiGLU MLP."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from strata.config import HFConfig, ModelConfig
-from strata.distributed import ParallelContext, pp_layer_range
+from strata.config import HFConfig
+from strata.distributed import ParallelContext
 from strata.layers.activation import silu_and_mul
 from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
-from strata.models import loader
-from strata.models.pipeline import on_stage, stage_embedding, stage_layers, stage_lm_head
+from strata.models.base import CausalLM, ModelArgs
+
+# Checkpoints store q, k, v and gate, up separately; they load into one fused projection each.
+QKV_GATE_UP: list[tuple[str, str, object]] = [
+    (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1),
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaArgs(ModelArgs):
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: HFConfig) -> LlamaArgs:
+        heads = cfg.num_attention_heads
+        theta, scaling = rope_parameters(cfg)
+        return cls(**ModelArgs.common(cfg), intermediate_size=cfg.intermediate_size, num_heads=heads,
+                   num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                   head_dim=cfg.get("head_dim") or cfg.hidden_size // heads, rope_theta=theta, rope_scaling=scaling,
+                   attention_bias=cfg.get("attention_bias", False), mlp_bias=cfg.get("mlp_bias", False))
 
 
 class LlamaMLP(nn.Module):
@@ -29,25 +56,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: LlamaArgs, pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
-        num_heads = cfg.num_attention_heads
-        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
-        self.head_dim = cfg.get("head_dim") or cfg.hidden_size // num_heads
-        bias = cfg.get("attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, num_heads, num_kv_heads, pc, bias, dtype)
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, cfg.hidden_size, pc, bias, dtype=dtype)
-        base, scaling = rope_parameters(cfg)
-        self.rotary = RotaryEmbedding(self.head_dim, base, scaling)
-        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
-                              self.head_dim ** -0.5)
+        self.head_dim, bias = a.head_dim, a.attention_bias
+        self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, pc, bias, dtype)
+        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, pc, bias, dtype=dtype)
+        self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, a.rope_scaling)
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, a.head_dim, a.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(x))
         t = x.shape[0]
         q, k = self.rotary(positions, q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim))
-        out = self.attn(q, k, v.view(t, -1, self.head_dim), meta)
-        return self.o_proj(out)
+        return self.o_proj(self.attn(q, k, v.view(t, -1, self.head_dim), meta))
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -73,75 +94,22 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: LlamaArgs, pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, pc, dtype)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, pc, dtype, cfg.get("mlp_bias", False))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(a, pc, dtype)
+        self.mlp = LlamaMLP(a.hidden_size, a.intermediate_size, pc, dtype, a.mlp_bias)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
 
     def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x)
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype,
-                 layer_partition: tuple[int, ...] | None = None, prefix: str = "model") -> None:
-        super().__init__()
-        self.pc = pc
-        tied = bool(cfg.get("tie_word_embeddings", False))
-        self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pc.pp_rank, pc.pp_size, layer_partition)
-        self.missing_prefixes: list[str] = []
-        missing = self.missing_prefixes
-        self.embed_tokens = stage_embedding(cfg, pc, dtype, f"{prefix}.embed_tokens", missing, tied)
-        self.layers = stage_layers(cfg.num_hidden_layers, self.start, self.end,
-                                   lambda i: LlamaDecoderLayer(cfg, pc, dtype), f"{prefix}.layers", missing)
-        self.norm = on_stage(pc.is_last_stage, lambda: RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-6), dtype),
-                             f"{prefix}.norm", missing)
+class LlamaForCausalLM(CausalLM):
+    args: LlamaArgs
+    args_class = LlamaArgs
+    stacked_params = QKV_GATE_UP
+    ignored_weights = ("rotary_emb.inv_freq",)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: dict[str, torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
-        if self.pc.is_first_stage:
-            x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-            residual = None
-        else:
-            x, residual = intermediate["hidden_states"], intermediate["residual"]
-        for layer in self.layers[self.start:self.end]:
-            x, residual = layer(positions, x, residual, meta)
-        if not self.pc.is_last_stage:
-            return {"hidden_states": x, "residual": residual}
-        x, _ = self.norm(x, residual)
-        return x
-
-
-class LlamaForCausalLM(nn.Module):
-    stacked_params: loader.StackedMapping = [
-        (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1),
-    ]
-
-    def __init__(self, config: ModelConfig, pc: ParallelContext,
-                 layer_partition: tuple[int, ...] | None = None) -> None:
-        super().__init__()
-        cfg, dtype = config.text_config, config.dtype
-        self.pc, self.tied = pc, bool(cfg.get("tie_word_embeddings", False))
-        self.model = LlamaModel(cfg, pc, dtype, layer_partition)
-        self.missing_prefixes = list(self.model.missing_prefixes)
-        self.lm_head = stage_lm_head(cfg, pc, dtype, self.model.embed_tokens, self.missing_prefixes, self.tied)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None,
-                inputs_embeds: torch.Tensor | None = None):
-        return self.model(input_ids, positions, meta.attn, intermediate, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        def rename(name: str) -> str | None:
-            if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
-                return None
-            return name
-
-        loader.load_weights(self, weights, self.stacked_params, rename, self.missing_prefixes)
+    def make_layer(self, index: int) -> LlamaDecoderLayer:
+        return LlamaDecoderLayer(self.args, self.pc, self.dtype)

@@ -10,16 +10,15 @@ import torch
 from torch import nn
 
 from strata.config import HFConfig, ModelConfig
-from strata.distributed import ParallelContext, pp_layer_range
+from strata.distributed import ParallelContext
 from strata.layers.activation import silu_and_mul
 from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from strata.layers.moe import FusedMoE, expert_params_mapping
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
-from strata.models import loader
-from strata.models.llama import LlamaModel, PreNormDecoderLayer
-from strata.models.pipeline import on_stage, stage_embedding, stage_layers, stage_lm_head
+from strata.models.base import CausalLM, ModelArgs
+from strata.models.llama import QKV_GATE_UP, LlamaArgs, PreNormDecoderLayer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +59,29 @@ def layer_kind(cfg: HFConfig, index: int) -> LayerKind:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Llama4Args(LlamaArgs):
+    intermediate_size_mlp: int  # of the dense layers; `intermediate_size` is each expert's
+    num_experts: int
+    experts_per_token: int
+    floor_scale: float
+    attn_scale: float
+    layer_kinds: tuple[LayerKind, ...]
+
+    @classmethod
+    def from_hf(cls, cfg: HFConfig) -> Llama4Args:
+        heads = cfg.num_attention_heads
+        theta, scaling = rope_parameters(cfg)
+        return cls(**ModelArgs.common(cfg, eps=1e-5), intermediate_size=cfg.intermediate_size, num_heads=heads,
+                   num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                   head_dim=cfg.get("head_dim") or cfg.hidden_size // heads, rope_theta=theta, rope_scaling=scaling,
+                   attention_bias=cfg.get("attention_bias", False),
+                   intermediate_size_mlp=cfg.get("intermediate_size_mlp", 16384),
+                   num_experts=cfg.get("num_local_experts", 0), experts_per_token=cfg.get("num_experts_per_tok", 1),
+                   floor_scale=cfg.get("floor_scale", 8192), attn_scale=cfg.get("attn_scale", 0.1),
+                   layer_kinds=tuple(layer_kind(cfg, i) for i in range(cfg.num_hidden_layers)))
+
+
 def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -81,14 +103,13 @@ class Llama4MLP(nn.Module):
 class Llama4MoE(nn.Module):
     """Routed experts (score scales each expert's input) plus an always-on shared expert, reduced once."""
 
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype, quantization: str | None) -> None:
+    def __init__(self, a: Llama4Args, pc: ParallelContext, dtype: torch.dtype, quantization: str | None) -> None:
         super().__init__()
         self.pc = pc
-        num_experts, hidden = cfg.num_local_experts, cfg.hidden_size
-        self.router = ReplicatedLinear(hidden, num_experts, dtype=dtype)
-        self.experts = FusedMoE(num_experts, cfg.get("num_experts_per_tok", 1), hidden, cfg.intermediate_size,
+        self.router = ReplicatedLinear(a.hidden_size, a.num_experts, dtype=dtype)
+        self.experts = FusedMoE(a.num_experts, a.experts_per_token, a.hidden_size, a.intermediate_size,
                                 pc, dtype, quantization, apply_router_weight_on_input=True)
-        self.shared_expert = Llama4MLP(hidden, cfg.intermediate_size, pc, dtype, reduce=False)
+        self.shared_expert = Llama4MLP(a.hidden_size, a.intermediate_size, pc, dtype, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_expert(x)
@@ -97,22 +118,17 @@ class Llama4MoE(nn.Module):
 
 
 class Llama4Attention(nn.Module):
-    def __init__(self, cfg: HFConfig, kind: LayerKind, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: Llama4Args, kind: LayerKind, pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
-        num_heads = cfg.num_attention_heads
-        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
-        self.head_dim = cfg.get("head_dim") or cfg.hidden_size // num_heads
-        self.kind, self.eps = kind, cfg.get("rms_norm_eps", 1e-5)
-        self.floor_scale, self.attn_scale = cfg.get("floor_scale", 8192), cfg.get("attn_scale", 0.1)
-        bias = cfg.get("attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, num_heads, num_kv_heads, pc, bias, dtype)
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, cfg.hidden_size, pc, bias, dtype=dtype)
+        self.head_dim, self.kind, self.eps = a.head_dim, kind, a.norm_eps
+        self.floor_scale, self.attn_scale, bias = a.floor_scale, a.attn_scale, a.attention_bias
+        self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, pc, bias, dtype)
+        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, pc, bias, dtype=dtype)
         self.rotary = None
         if kind.use_rope:
-            base, scaling = rope_parameters(cfg)
-            self.rotary = RotaryEmbedding(self.head_dim, base, scaling, interleaved=True)
-        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
-                              self.head_dim ** -0.5, chunk_size=kind.chunk_size)
+            self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, a.rope_scaling, interleaved=True)
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, a.head_dim,
+                              a.head_dim ** -0.5, chunk_size=kind.chunk_size)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(x))
@@ -132,84 +148,43 @@ class Llama4Attention(nn.Module):
 
 
 class Llama4DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, cfg: HFConfig, index: int, pc: ParallelContext, dtype: torch.dtype,
+    def __init__(self, a: Llama4Args, index: int, pc: ParallelContext, dtype: torch.dtype,
                  quantization: str | None) -> None:
         super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-5)
-        kind = layer_kind(cfg, index)
-        self.self_attn = Llama4Attention(cfg, kind, pc, dtype)
+        kind = a.layer_kinds[index]
+        self.self_attn = Llama4Attention(a, kind, pc, dtype)
         if kind.moe:
-            self.feed_forward = Llama4MoE(cfg, pc, dtype, quantization)
+            self.feed_forward = Llama4MoE(a, pc, dtype, quantization)
         else:
-            self.feed_forward = Llama4MLP(cfg.hidden_size, cfg.get("intermediate_size_mlp", 16384), pc, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+            self.feed_forward = Llama4MLP(a.hidden_size, a.intermediate_size_mlp, pc, dtype)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
 
     def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.feed_forward(x)
 
 
-class Llama4TextModel(nn.Module):
-    """Embedding, this stage's decoder layers (others are placeholders) and the final norm."""
+class Llama4ForCausalLM(CausalLM):
+    args: Llama4Args
+    args_class = Llama4Args
+    ignored_weights = ("rotary_emb.inv_freq",)
 
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype, quantization: str | None,
-                 layer_partition: tuple[int, ...] | None = None) -> None:
-        super().__init__()
-        self.pc = pc
-        self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pc.pp_rank, pc.pp_size, layer_partition)
-        self.missing_prefixes: list[str] = []
-        missing = self.missing_prefixes
-        tied = bool(cfg.get("tie_word_embeddings", False))
-        self.embed_tokens = stage_embedding(cfg, pc, dtype, "model.embed_tokens", missing, tied)
-        self.layers = stage_layers(cfg.num_hidden_layers, self.start, self.end,
-                                   lambda i: Llama4DecoderLayer(cfg, i, pc, dtype, quantization), "model.layers",
-                                   missing)
-        self.norm = on_stage(pc.is_last_stage, lambda: RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-5), dtype),
-                             "model.norm", missing)
-
-    # A pre-norm decoder stage runs exactly as Llama's does.
-    forward = LlamaModel.forward
-
-
-class Llama4ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, pc: ParallelContext,
                  layer_partition: tuple[int, ...] | None = None) -> None:
-        super().__init__()
-        cfg, dtype = config.text_config, config.dtype
-        self.pc, self.tied = pc, bool(cfg.get("tie_word_embeddings", False))
-        self.num_experts = cfg.get("num_local_experts", 0)
-        self.model = Llama4TextModel(cfg, pc, dtype, config.quantization, layer_partition)
-        self.missing_prefixes = list(self.model.missing_prefixes)
-        self.lm_head = stage_lm_head(cfg, pc, dtype, self.model.embed_tokens, self.missing_prefixes, self.tied)
-        self.stacked_params: loader.StackedMapping = expert_params_mapping(self.num_experts) + [
-            (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
-            (".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1),
-        ]
+        super().__init__(config, pc, layer_partition)
+        # Experts may be stored fused [E, H, 2I] or one tensor per expert.
+        self.stacked_params = expert_params_mapping(self.args.num_experts) + QKV_GATE_UP
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None,
-                inputs_embeds: torch.Tensor | None = None):
-        return self.model(input_ids, positions, meta.attn, intermediate, inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def make_layer(self, index: int) -> Llama4DecoderLayer:
+        return Llama4DecoderLayer(self.args, index, self.pc, self.dtype, self.quantization)
 
     def expert_layers(self) -> list[FusedMoE]:
         """This stage's routed-expert layers (placeholder layers have none)."""
         return [m for m in self.modules() if isinstance(m, FusedMoE)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads `model.*` / `lm_head.*` tensors; experts may be fused [E, H, 2I] or one tensor per expert."""
-        def rename(name: str) -> str | None:
-            if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
-                return None
-            return name
-
-        loader.load_weights(self, weights, self.stacked_params, rename, self.missing_prefixes)
+        super().load_weights(weights)
         self._log_expert_memory()
-
     def _log_expert_memory(self) -> None:
         layers = self.expert_layers()
         if not layers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,17 +12,43 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.config import HFConfig, ModelConfig
+from strata.distributed import IntermediateTensors, ParallelContext
 from strata.errors import RequestError
-from strata.distributed import ParallelContext
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from strata.layers.rotary import rope_parameters
 from strata.models import loader
+from strata.models.base import PPMissingLayer
 from strata.models.llama4 import Llama4ForCausalLM
-from strata.models.pipeline import PPMissingLayer
 
 # transformers builds every vision LayerNorm with the default eps, whatever `norm_eps` says.
 _LAYER_NORM_EPS = 1e-5
 _LANGUAGE_PREFIX = "language_model."
+
+
+@dataclass(frozen=True)
+class Llama4VisionArgs:
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    num_layers: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    pixel_shuffle_ratio: float
+    projector_input_dim: int
+    projector_output_dim: int
+    vision_output_dim: int
+    rope_theta: float
+
+    @classmethod
+    def from_hf(cls, cfg: HFConfig) -> Llama4VisionArgs:
+        return cls(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                   intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
+                   image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.get("num_channels", 3),
+                   pixel_shuffle_ratio=cfg.get("pixel_shuffle_ratio", 0.5),
+                   projector_input_dim=cfg.projector_input_dim, projector_output_dim=cfg.projector_output_dim,
+                   vision_output_dim=cfg.get("vision_output_dim", cfg.projector_output_dim),
+                   rope_theta=rope_parameters(cfg)[0])
 
 
 def vision_rope_angles(grid: int, head_dim: int, theta: float) -> torch.Tensor:
@@ -80,11 +107,11 @@ class Llama4VisionMLP(nn.Module):
 
 
 class Llama4VisionEncoderLayer(nn.Module):
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: Llama4VisionArgs, pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
-        hidden = cfg.hidden_size
-        self.self_attn = Llama4VisionAttention(hidden, cfg.num_attention_heads, pc, dtype)
-        self.mlp = Llama4VisionMLP(hidden, cfg.intermediate_size, pc, dtype)
+        hidden = a.hidden_size
+        self.self_attn = Llama4VisionAttention(hidden, a.num_heads, pc, dtype)
+        self.mlp = Llama4VisionMLP(hidden, a.intermediate_size, pc, dtype)
         self.input_layernorm = nn.LayerNorm(hidden, _LAYER_NORM_EPS, dtype=dtype)
         self.post_attention_layernorm = nn.LayerNorm(hidden, _LAYER_NORM_EPS, dtype=dtype)
 
@@ -94,19 +121,18 @@ class Llama4VisionEncoderLayer(nn.Module):
 
 
 class Llama4VisionEncoder(nn.Module):
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: Llama4VisionArgs, pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Llama4VisionEncoderLayer(cfg, pc, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Llama4VisionEncoderLayer(a, pc, dtype) for _ in range(a.num_layers))
 
 
 class Llama4PatchEmbedding(nn.Module):
     """Non-overlapping patches flattened as (channel, row, col), then one linear map (no bias)."""
 
-    def __init__(self, cfg: HFConfig, dtype: torch.dtype) -> None:
+    def __init__(self, a: Llama4VisionArgs, dtype: torch.dtype) -> None:
         super().__init__()
-        self.patch_size = cfg.patch_size
-        self.linear = ReplicatedLinear(cfg.get("num_channels", 3) * self.patch_size ** 2, cfg.hidden_size,
-                                       dtype=dtype)
+        self.patch_size = a.patch_size
+        self.linear = ReplicatedLinear(a.num_channels * a.patch_size ** 2, a.hidden_size, dtype=dtype)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         patches = F.unfold(pixels, kernel_size=self.patch_size, stride=self.patch_size)
@@ -116,10 +142,10 @@ class Llama4PatchEmbedding(nn.Module):
 class Llama4VisionAdapter(nn.Module):
     """GELU after both layers (the released model's adapter), split across TP ranks like an MLP."""
 
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: Llama4VisionArgs, pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.intermediate_size, cfg.projector_input_dim, pc, dtype=dtype)
-        self.fc2 = RowParallelLinear(cfg.projector_output_dim, cfg.projector_output_dim, pc, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(a.intermediate_size, a.projector_input_dim, pc, dtype=dtype)
+        self.fc2 = RowParallelLinear(a.projector_output_dim, a.projector_output_dim, pc, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(self.fc2(F.gelu(self.fc1(x))))
@@ -128,22 +154,20 @@ class Llama4VisionAdapter(nn.Module):
 class Llama4VisionModel(nn.Module):
     """Tiles [N, 3, S, S] -> [N, tokens per tile, vision_output_dim]."""
 
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: Llama4VisionArgs, pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
-        grid = cfg.image_size // cfg.patch_size
-        hidden = cfg.hidden_size
-        self.pixel_shuffle_ratio = cfg.get("pixel_shuffle_ratio", 0.5)
-        self.patch_embedding = Llama4PatchEmbedding(cfg, dtype)
+        grid, hidden = a.image_size // a.patch_size, a.hidden_size
+        self.pixel_shuffle_ratio = a.pixel_shuffle_ratio
+        self.patch_embedding = Llama4PatchEmbedding(a, dtype)
         self.class_embedding = nn.Parameter(torch.empty(hidden, dtype=dtype), requires_grad=False)
         self.positional_embedding_vlm = nn.Parameter(torch.empty(grid * grid + 1, hidden, dtype=dtype),
                                                      requires_grad=False)
         self.layernorm_pre = nn.LayerNorm(hidden, _LAYER_NORM_EPS, dtype=dtype)
         self.layernorm_post = nn.LayerNorm(hidden, _LAYER_NORM_EPS, dtype=dtype)
-        self.model = Llama4VisionEncoder(cfg, pc, dtype)
+        self.model = Llama4VisionEncoder(a, pc, dtype)
         self.vision_adapter = nn.Module()
-        self.vision_adapter.mlp = Llama4VisionAdapter(cfg, pc, dtype)
-        theta, _ = rope_parameters(cfg)
-        angles = vision_rope_angles(grid, hidden // cfg.num_attention_heads, theta)
+        self.vision_adapter.mlp = Llama4VisionAdapter(a, pc, dtype)
+        angles = vision_rope_angles(grid, hidden // a.num_heads, a.rope_theta)
         self.register_buffer("rope_cos", angles.cos()[:, None, :], persistent=False)  # [L, 1, D/2]
         self.register_buffer("rope_sin", angles.sin()[:, None, :], persistent=False)
 
@@ -183,16 +207,17 @@ class Llama4ForConditionalGeneration(nn.Module):
         self.language_model = Llama4ForCausalLM(config, pc, layer_partition)
         self.missing_prefixes = [_LANGUAGE_PREFIX + p for p in self.language_model.missing_prefixes]
         if pc.is_first_stage:
-            vision = hf.vision_config
+            vision = Llama4VisionArgs.from_hf(hf.vision_config)
             self.vision_model = Llama4VisionModel(vision, pc, dtype)
-            self.multi_modal_projector = Llama4MultiModalProjector(
-                vision.get("vision_output_dim", vision.projector_output_dim), config.text_config.hidden_size, dtype)
+            self.multi_modal_projector = Llama4MultiModalProjector(vision.vision_output_dim,
+                                                                   self.language_model.args.hidden_size, dtype)
         else:
             self.vision_model, self.multi_modal_projector = PPMissingLayer(), PPMissingLayer()
             self.missing_prefixes += ["vision_model", "multi_modal_projector"]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None,
-                inputs_embeds: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         return self.language_model(input_ids, positions, meta, intermediate, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,21 +3,23 @@ followed by a SwiGLU MLP, with "sandwich" RMSNorms before and after every mixer 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from strata.config import HFConfig, ModelConfig
+from strata.config import HFConfig
+from strata.distributed import ParallelContext
 from strata.errors import UnsupportedModelError
-from strata.distributed import ParallelContext, pp_layer_range
-from strata.layers.attention import Attention
+from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from strata.layers.mamba.mixer import ConvWeights, MambaBatch, MambaState, ShardedColumnLinear, sharded_param
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models import loader
+from strata.models.base import CausalLM, CheckpointNames, ModelArgs
 from strata.models.llama import LlamaMLP
-from strata.models.pipeline import on_stage, stage_embedding, stage_layers, stage_lm_head
 
 # The checkpoint stores sandwich and final norms as offsets from these values; they are folded in at load.
 NORM_OFFSETS = {"pre_mixer_norm": 1.0, "post_mixer_norm": 0.2, "pre_mlp_norm": 1.0, "post_mlp_norm": 5 ** -1.5}
@@ -36,18 +38,54 @@ def is_mamba(cfg: HFConfig, i: int) -> bool:
     return i % step != step // 2
 
 
+@dataclass(frozen=True, kw_only=True)
+class Plamo2Args(ModelArgs):
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # of attention and Mamba heads alike
+    rope_theta: float
+    window: int
+    full_attention_layers: tuple[int, ...]
+    mamba_layers: tuple[bool, ...]  # per layer: Mamba (else attention)
+    mamba_num_heads: int
+    mamba_d_state: int
+    mamba_d_conv: int
+
+    @classmethod
+    def from_hf(cls, cfg: HFConfig) -> Plamo2Args:
+        if cfg.get("mamba_enabled", True) and cfg.get("mamba_step", 2) < 2:
+            raise UnsupportedModelError(f"PLaMo2 needs mamba_step >= 2, got {cfg.get('mamba_step')}",
+                                        param="mamba_step")
+        return cls(**ModelArgs.common(cfg, tied=True), intermediate_size=cfg.intermediate_size,
+                   num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                   head_dim=cfg.hidden_size_per_head, rope_theta=cfg.get("rope_theta", 10000.0),
+                   window=cfg.get("attention_window_size", 2048),
+                   full_attention_layers=tuple(cfg.get("full_attention_idx") or ()),
+                   mamba_layers=tuple(is_mamba(cfg, i) for i in range(cfg.num_hidden_layers)),
+                   mamba_num_heads=cfg.mamba_num_heads, mamba_d_state=cfg.mamba_d_state,
+                   mamba_d_conv=cfg.get("mamba_d_conv", 4))
+
+
+class HybridStep(NamedTuple):
+    """What a PLaMo2 layer needs of one step: attention metadata, or how sequences use their state slots."""
+
+    attn: AttentionMetadata
+    batch: MambaBatch
+
+
 class Plamo2MambaMixer(nn.Module):
     """Spec 3.6: z, x = in_proj(h); x = silu(conv(x)); B, C, dt from a normed low-rank projection of x;
     y = SSM(x) + D x, gated by silu(z); out_proj(y)."""
 
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: Plamo2Args, pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
-        d, heads, head_dim = cfg.hidden_size, cfg.mamba_num_heads, cfg.hidden_size_per_head
-        inner, n, eps = heads * head_dim, cfg.mamba_d_state, cfg.get("rms_norm_eps", 1e-6)
+        d, heads, head_dim = a.hidden_size, a.mamba_num_heads, a.head_dim
+        inner, n, eps = heads * head_dim, a.mamba_d_state, a.norm_eps
         self.dt_rank = max(64, d // 16)
         self.heads, self.head_dim, self.state_size = heads // pc.tp_size, head_dim, n
         self.in_proj = ShardedColumnLinear(d, [(inner, heads), (inner, heads)], pc, dtype)  # [z ; x] after load
-        self.conv1d = ConvWeights([(inner, heads)], cfg.get("mamba_d_conv", 4), False, pc, dtype)
+        self.conv1d = ConvWeights([(inner, heads)], a.mamba_d_conv, False, pc, dtype)
         self.bcdt_proj = RowParallelLinear(inner, 2 * n + self.dt_rank, pc, dtype=dtype)
         self.B_norm, self.C_norm = RMSNorm(n, eps, dtype), RMSNorm(n, eps, dtype)
         self.dt_norm = RMSNorm(self.dt_rank, eps, dtype)
@@ -56,7 +94,7 @@ class Plamo2MambaMixer(nn.Module):
         self.D = sharded_param([(heads, heads)], (), pc, torch.float32)
         self.dt_bias = sharded_param([(heads, heads)], (), pc, torch.float32)
         self.out_proj = RowParallelLinear(inner, d, pc, dtype=dtype)
-        self.state = MambaState(self.heads * head_dim, cfg.get("mamba_d_conv", 4), self.heads, head_dim, n)
+        self.state = MambaState(self.heads * head_dim, a.mamba_d_conv, self.heads, head_dim, n)
 
     def forward(self, h: torch.Tensor, batch: MambaBatch) -> torch.Tensor:
         t, n = h.shape[0], self.state_size
@@ -85,21 +123,20 @@ class HeadRMSNorm(nn.Module):
 class Plamo2AttentionMixer(nn.Module):
     """GQA attention with per-head q/k RMSNorm before NeoX RoPE (theta 10000) and a sliding window of W + 1 keys."""
 
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype, layer: int) -> None:
+    def __init__(self, a: Plamo2Args, pc: ParallelContext, dtype: torch.dtype, layer: int) -> None:
         super().__init__()
-        heads, kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size_per_head
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, heads, kv_heads, pc, False, dtype)
+        heads, kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.qkv_proj = QKVParallelLinear(a.hidden_size, self.head_dim, heads, kv_heads, pc, False, dtype)
         self.q_norm = HeadRMSNorm(heads, self.head_dim, pc, dtype)
         self.k_norm = HeadRMSNorm(kv_heads, self.head_dim, pc, dtype)
-        self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size, pc, dtype=dtype)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.get("rope_theta", 10000.0))
+        self.o_proj = RowParallelLinear(heads * self.head_dim, a.hidden_size, pc, dtype=dtype)
+        self.rotary = RotaryEmbedding(self.head_dim, a.rope_theta)
         # The reference lets token i see keys i-W..i, i.e. W + 1 of them.
-        full = layer in (cfg.get("full_attention_idx") or [])
-        window = None if full else cfg.get("attention_window_size", 2048) + 1
+        window = None if layer in a.full_attention_layers else a.window + 1
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, sliding_window=window)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(h))
         q = self.q_norm(q.view(t, -1, self.head_dim))
@@ -112,112 +149,58 @@ class Plamo2DecoderLayer(nn.Module):
     """h += post_mixer(mixer(pre_mixer(h))); h += post_mlp(mlp(pre_mlp(h))), with the residual add fused into
     the next pre-norm (the layer returns (post_mlp output, residual))."""
 
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype, layer: int) -> None:
+    def __init__(self, a: Plamo2Args, pc: ParallelContext, dtype: torch.dtype, layer: int) -> None:
         super().__init__()
-        self.is_mamba = is_mamba(cfg, layer)
+        self.is_mamba = a.mamba_layers[layer]
         if self.is_mamba:
-            self.mixer = Plamo2MambaMixer(cfg, pc, dtype)
+            self.mixer = Plamo2MambaMixer(a, pc, dtype)
         else:
-            self.mixer = Plamo2AttentionMixer(cfg, pc, dtype, layer)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, pc, dtype)
-        eps = cfg.get("rms_norm_eps", 1e-6)
+            self.mixer = Plamo2AttentionMixer(a, pc, dtype, layer)
+        self.mlp = LlamaMLP(a.hidden_size, a.intermediate_size, pc, dtype)
         for name in NORM_OFFSETS:
-            setattr(self, name, RMSNorm(cfg.hidden_size, eps, dtype))
+            setattr(self, name, RMSNorm(a.hidden_size, a.norm_eps, dtype))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta,
-                batch: MambaBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                step: HybridStep) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.pre_mixer_norm(x)
         else:
             x, residual = self.pre_mixer_norm(x, residual)
-        x = self.mixer(x, batch) if self.is_mamba else self.mixer(positions, x, meta.attn)
+        x = self.mixer(x, step.batch) if self.is_mamba else self.mixer(positions, x, step.attn)
         x, residual = self.pre_mlp_norm(self.post_mixer_norm(x), residual)
         return self.post_mlp_norm(self.mlp(x)), residual
 
 
-class Plamo2Decoder(nn.Module):
-    """Holds the layers under `layers`, so that parameter names keep the checkpoint's `model.layers.layers.{i}`."""
+class Plamo2ForCausalLM(CausalLM):
+    """Layers live under `model.layers.layers.{i}`, as in the checkpoint."""
 
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype, start: int, end: int,
-                 prefix: str, missing_prefixes: list[str]) -> None:
-        super().__init__()
-        self.layers = stage_layers(cfg.num_hidden_layers, start, end, lambda i: Plamo2DecoderLayer(cfg, pc, dtype, i),
-                                   f"{prefix}.layers", missing_prefixes)
-
-
-class Plamo2Model(nn.Module):
-    def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype,
-                 layer_partition: tuple[int, ...] | None = None, prefix: str = "model") -> None:
-        super().__init__()
-        self.pc = pc
-        tied = bool(cfg.get("tie_word_embeddings", True))
-        self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pc.pp_rank, pc.pp_size, layer_partition)
-        self.missing_prefixes: list[str] = []
-        self.embed_tokens = stage_embedding(cfg, pc, dtype, f"{prefix}.embed_tokens", self.missing_prefixes, tied)
-        self.layers = Plamo2Decoder(cfg, pc, dtype, self.start, self.end, f"{prefix}.layers", self.missing_prefixes)
-        self.norm = on_stage(pc.is_last_stage, lambda: RMSNorm(cfg.hidden_size, cfg.get("rms_norm_eps", 1e-6), dtype),
-                             f"{prefix}.norm", self.missing_prefixes)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                intermediate: dict[str, torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
-        batch = MambaBatch.from_meta(meta)
-        if self.pc.is_first_stage:
-            x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-            residual = None
-        else:
-            x, residual = intermediate["hidden_states"], intermediate["residual"]
-        for layer in self.layers.layers[self.start:self.end]:
-            x, residual = layer(positions, x, residual, meta, batch)
-        if not self.pc.is_last_stage:
-            return {"hidden_states": x, "residual": residual}
-        x, _ = self.norm(x, residual)
-        return x
-
-
-class Plamo2ForCausalLM(nn.Module):
+    args: Plamo2Args
+    args_class = Plamo2Args
+    names = CheckpointNames(layers="model.layers.layers")
     stacked_params: loader.StackedMapping = [
         (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
     ]
 
-    def __init__(self, config: ModelConfig, pc: ParallelContext,
-                 layer_partition: tuple[int, ...] | None = None) -> None:
-        super().__init__()
-        cfg, dtype = config.text_config, config.dtype
-        if cfg.get("mamba_enabled", True) and cfg.get("mamba_step", 2) < 2:
-            raise UnsupportedModelError(f"PLaMo2 needs mamba_step >= 2, got {cfg.get('mamba_step')}",
-                                        param="mamba_step")
-        self.cfg, self.pc = cfg, pc
-        self.tied = bool(cfg.get("tie_word_embeddings", True))
-        self.model = Plamo2Model(cfg, pc, dtype, layer_partition)
-        self.missing_prefixes = list(self.model.missing_prefixes)
-        self.lm_head = stage_lm_head(cfg, pc, dtype, self.model.embed_tokens, self.missing_prefixes, self.tied)
+    def make_layer(self, index: int) -> Plamo2DecoderLayer:
+        return Plamo2DecoderLayer(self.args, self.pc, self.dtype, index)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, intermediate=None,
-                inputs_embeds: torch.Tensor | None = None):
-        return self.model(input_ids, positions, meta, intermediate, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def layer_context(self, meta: Any) -> HybridStep:
+        return HybridStep(meta.attn, MambaBatch.from_meta(meta))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        def rename(name: str) -> str | None:
-            return None if self.tied and name == "lm_head.weight" else name
-
-        loader.load_weights(self, self.convert(weights), self.stacked_params, rename, self.missing_prefixes)
+        super().load_weights(self.convert(weights))
 
     def convert(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """HF checkpoint tensors -> this model's names and layouts (spec 2.1)."""
-        cfg = self.cfg
-        heads, head_dim = cfg.num_attention_heads, cfg.hidden_size_per_head
-        kv = cfg.num_key_value_heads * head_dim
+        a = self.args
+        heads, head_dim, kv = a.num_heads, a.head_dim, a.num_kv_heads * a.head_dim
         for name, tensor in weights:
             if loader.is_pp_missing(name, self.missing_prefixes):
                 continue
             stem, _, leaf = name.rpartition(".")
             module = stem.rpartition(".")[2]
             if name.endswith(".mixer.in_proj.weight"):  # per head [z_h | x_h] -> [z_all ; x_all]
-                rows = cfg.mamba_num_heads
+                rows = a.mamba_num_heads
                 tensor = tensor.view(rows, 2, head_dim, -1).transpose(0, 1).reshape(2 * rows * head_dim, -1)
             elif name.endswith(".mixer.qkv_proj.weight"):
                 for part, piece in zip("qkv", tensor.split([heads * head_dim, kv, kv], dim=0), strict=True):
@@ -228,7 +211,7 @@ class Plamo2ForCausalLM(nn.Module):
             elif name == "model.norm.weight":
                 tensor = tensor + 1.0
             elif name == "lm_head.weight":
-                tensor = tensor[: cfg.vocab_size]  # HF pads the head to a multiple of 16 rows
+                tensor = tensor[: a.vocab_size]  # HF pads the head to a multiple of 16 rows
             renamed = {"A_log": "A", "B_norm_weight": "B_norm.weight", "C_norm_weight": "C_norm.weight",
                        "dt_norm_weight": "dt_norm.weight", "q_weight": "q_norm.weight", "k_weight": "k_norm.weight"}
             yield (f"{stem}.{renamed[leaf]}" if leaf in renamed else name), tensor

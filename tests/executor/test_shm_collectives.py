@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from processes import free_port
 
+from strata.distributed import IntermediateTensors
 from strata.executor import shm_collectives
 from strata.executor.parallel import init_distributed
 
@@ -80,10 +81,10 @@ def _stages_main(rank: int, port: int) -> None:
         dtype = torch.bfloat16 if i % 2 else torch.float32
         expected = _tensor(i, shape, dtype)
         if rank == 0:
-            pc.send_intermediate({"hidden_states": expected[0], "residual": expected[1]}).wait()
+            pc.send_intermediate(IntermediateTensors(expected[0], expected[1])).wait()
         else:
             got = pc.recv_intermediate(shape[1], shape[2], dtype, torch.device("cpu"))
-            assert torch.equal(got["hidden_states"], expected[0]) and torch.equal(got["residual"], expected[1])
+            assert torch.equal(got.hidden_states, expected[0]) and torch.equal(got.residual, expected[1])
     dist.destroy_process_group()
 
 
@@ -105,10 +106,10 @@ def _no_room_main(rank: int, tp_size: int, port: int) -> None:
     if tp_size == 2:
         torch.testing.assert_close(pc.all_reduce(_tensor(rank, (5,))), _tensor(0, (5,)) + _tensor(1, (5,)))
     elif rank == 0:
-        pc.send_intermediate({"hidden_states": _tensor(0, (3, 4)), "residual": _tensor(1, (3, 4))}).wait()
+        pc.send_intermediate(IntermediateTensors(_tensor(0, (3, 4)), _tensor(1, (3, 4)))).wait()
     else:
         got = pc.recv_intermediate(3, 4, torch.float32, torch.device("cpu"))
-        assert torch.equal(got["hidden_states"], _tensor(0, (3, 4)))
+        assert torch.equal(got.hidden_states, _tensor(0, (3, 4)))
     dist.destroy_process_group()
 
 

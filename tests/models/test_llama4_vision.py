@@ -20,7 +20,7 @@ from strata.distributed import ParallelContext
 from strata.errors import ConfigError, RequestError
 from strata.executor.model_runner import ModelRunner
 from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
-from strata.models.pipeline import PPMissingLayer
+from strata.models.base import PPMissingLayer
 from strata.multimodal.chat import ImagePromptProcessor, render_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
