@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from strata.config import HFConfig, ModelConfig
-from strata.distributed import ParallelContext, pp_layer_range
+from strata.distributed import Collective, ParallelContext, StepSize, pp_layer_range, tp_collective
 from strata.layers.activation import silu_and_mul
 from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -83,7 +83,7 @@ class Llama4MoE(nn.Module):
 
     def __init__(self, cfg: HFConfig, pc: ParallelContext, dtype: torch.dtype, quantization: str | None) -> None:
         super().__init__()
-        self.pc = pc
+        self.pc, self.hidden_size, self.dtype = pc, cfg.hidden_size, dtype
         num_experts, hidden = cfg.num_local_experts, cfg.hidden_size
         self.router = ReplicatedLinear(hidden, num_experts, dtype=dtype)
         self.experts = FusedMoE(num_experts, cfg.get("num_experts_per_tok", 1), hidden, cfg.intermediate_size,
@@ -94,6 +94,10 @@ class Llama4MoE(nn.Module):
         out = self.shared_expert(x)
         out += self.experts(x, self.router(x))
         return self.pc.all_reduce(out)
+
+    def collectives(self, step: StepSize) -> list[Collective]:
+        """Its parts leave partial sums (the shared expert does not reduce): one all-reduce in all."""
+        return tp_collective(self.pc, "all_reduce", step.num_tokens * self.hidden_size, self.dtype)
 
 
 class Llama4Attention(nn.Module):
