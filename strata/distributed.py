@@ -1,13 +1,14 @@
-"""Where a rank sits in the TP x PP grid and what layers and models need of it: TP collectives, vocabulary padding,
-the PP layer partition and the hand-off of intermediate tensors between stages.
-Process groups are made by the executor."""
+"""Where a rank sits in the TP x PP grid and what layers and models need of it: TP collectives (and the records
+layers give of them), vocabulary padding, the PP layer partition and the hand-off of intermediate tensors between
+stages. Process groups are made by the executor."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,40 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int,
     sizes = pp_partition(num_layers, pp_size, custom)
     start = sum(sizes[:pp_rank])
     return start, start + sizes[pp_rank]
+
+
+@dataclass(frozen=True)
+class StepSize:
+    """The size of one forward step, as far as communication depends on it."""
+
+    num_tokens: int  # tokens run through the model
+    num_sampled: int  # rows whose logits are computed (0: the step samples nothing and skips the LM head)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One TP collective a module issues in a step: `numel` elements of `dtype` go in from this rank (an
+    all-gather returns tp_size times as many)."""
+
+    kind: Literal["all_reduce", "all_gather"]
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def tp_collective(pc: ParallelContext, kind: Literal["all_reduce", "all_gather"], numel: int,
+                  dtype: torch.dtype) -> list[Collective]:
+    """The record of one collective through `pc`; none without TP, where `pc`'s collectives return at once."""
+    return [Collective(kind, numel, dtype)] if pc.tp_size > 1 else []
+
+
+def module_collectives(module: nn.Module, step: StepSize) -> list[Collective]:
+    """Every TP collective `module` issues in `step`, in module order. A module with a `collectives(step)`
+    method answers for itself and everything below it; the walk descends through the others."""
+    report = getattr(module, "collectives", None)
+    if report is not None:
+        return report(step)
+    return [c for child in module.children() for c in module_collectives(child, step)]

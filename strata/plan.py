@@ -3,13 +3,15 @@ without workers.
 
 Each rank's model is built on the meta device and "loaded" from the checkpoint's tensor shapes (read
 from the safetensors headers only), so the figures come from the same layers and weight loaders that
-the workers use, and a checkpoint that does not fit the layout is refused here too.
+the workers use, and a checkpoint that does not fit the layout is refused here too. Its TP traffic is what
+the modules themselves report they communicate in a step (`collectives`), summed over the rank's model.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -18,11 +20,17 @@ from safetensors import safe_open
 from torch import nn
 
 from strata.config import EngineConfig
-from strata.distributed import ParallelContext, pp_layer_range, rank_layout
+from strata.distributed import (
+    Collective,
+    ParallelContext,
+    StepSize,
+    module_collectives,
+    pp_layer_range,
+    rank_layout,
+)
 from strata.engine_args import EngineArgs
 from strata.layers.attention import Attention
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from strata.layers.linear import ColumnParallelLinear, RowParallelLinear
 from strata.layers.mamba.mixer import MambaState, state_bytes_per_slot
 from strata.models import loader
 
@@ -49,6 +57,7 @@ class RankPlan:
     allreduce_bytes_per_token: int
     send_bytes_per_token: int  # PP hand-off to the next stage
     gather_bytes_per_sampled_token: int  # the LM head's all-gather of vocabulary shards
+    gather_bytes_per_token: int  # column-parallel layers that gather their outputs
 
 
 def checkpoint_shapes(folder: str, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -72,29 +81,33 @@ def meta_model(config: EngineConfig, pc: ParallelContext) -> nn.Module:
     return model
 
 
+def rank_model(config: EngineConfig, rank: int) -> nn.Module:
+    tp_rank, pp_rank = rank_layout(config.parallel.tensor_parallel_size, rank)
+    return meta_model(config, ParallelContext(tp_rank, config.parallel.tensor_parallel_size, pp_rank,
+                                              config.parallel.pipeline_parallel_size))
+
+
+def step_collectives(config: EngineConfig, rank: int, step: StepSize) -> list[Collective]:
+    """The TP collectives `rank` issues in one step of this size, as its layers report them."""
+    return module_collectives(rank_model(config, rank), step)
+
+
+def sampled_collectives(model: nn.Module) -> list[Collective]:
+    """What computing one more sequence's logits adds to a step's collectives."""
+    body = Counter(module_collectives(model, StepSize(num_tokens=1, num_sampled=0)))
+    return list((Counter(module_collectives(model, StepSize(num_tokens=1, num_sampled=1))) - body).elements())
+
+
 def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
     par = config.parallel
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     tp_rank, pp_rank = rank_layout(tp, rank)
-    pc = ParallelContext(tp_rank, tp, pp_rank, pp)
-    model = meta_model(config, pc)
+    model = rank_model(config, rank)
     size = torch.empty((), dtype=config.model.dtype).element_size()
     hidden = config.model.text_config.hidden_size
-    reduces, reduce_bytes, gather_bytes = 0, 0, 0
-    kv_bytes = 0
-    for module in model.modules():
-        if isinstance(module, Attention):
-            kv_bytes += 2 * module.num_kv_heads * module.head_dim * size * 1000
-        if tp == 1:
-            continue
-        if isinstance(module, ParallelLMHead):
-            gather_bytes += module.rows_per_rank * tp * size
-        elif isinstance(module, VocabParallelEmbedding) and pc.is_first_stage:
-            reduces, reduce_bytes = reduces + 1, reduce_bytes + module.weight.shape[1] * size
-        elif isinstance(module, RowParallelLinear) and module.reduce_results:
-            reduces, reduce_bytes = reduces + 1, reduce_bytes + module.weight.shape[0] * size
-        elif isinstance(module, ColumnParallelLinear) and module.gather_output:
-            gather_bytes += module.out_per_rank * tp * size
+    kv_bytes = sum(2 * m.num_kv_heads * m.head_dim * size * 1000 for m in model.modules() if isinstance(m, Attention))
+    per_token = module_collectives(model, StepSize(num_tokens=1, num_sampled=0))
+    reduces = [c for c in per_token if c.kind == "all_reduce"]
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
     embeddings = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and m not in heads]
     return RankPlan(
@@ -105,9 +118,15 @@ def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
         state_bytes_per_seq=state_bytes_per_slot([m for m in model.modules() if isinstance(m, MambaState)],
                                                  config.model.dtype, config.cache.ssm_state_dtype(config.model.dtype)),
         has_embedding=bool(embeddings), has_lm_head=bool(heads),
-        allreduce_count=reduces, allreduce_bytes_per_token=reduce_bytes,
-        send_bytes_per_token=0 if pc.is_last_stage else 2 * hidden * size,
-        gather_bytes_per_sampled_token=gather_bytes)
+        allreduce_count=len(reduces), allreduce_bytes_per_token=sum(c.nbytes for c in reduces),
+        send_bytes_per_token=0 if pp_rank == pp - 1 else 2 * hidden * size,
+        gather_bytes_per_sampled_token=gathered_bytes(sampled_collectives(model), tp),
+        gather_bytes_per_token=gathered_bytes(per_token, tp))
+
+
+def gathered_bytes(collectives: list[Collective], tp: int) -> int:
+    """Bytes the all-gathers among `collectives` return on each rank (every rank's part)."""
+    return sum(c.nbytes * tp for c in collectives if c.kind == "all_gather")
 
 
 def plan_layout(config: EngineConfig) -> list[RankPlan]:
@@ -143,12 +162,14 @@ def format_plan(config: EngineConfig, plans: list[RankPlan]) -> str:
     worst_reduce = max(p.allreduce_bytes_per_token for p in plans)
     send = max(p.send_bytes_per_token for p in plans)
     gather = max(p.gather_bytes_per_sampled_token for p in plans)
+    token_gather = max(p.gather_bytes_per_token for p in plans)
     lines += [
         f"total parameter bytes over all ranks: {sum(p.param_bytes for p in plans):,} "
         f"({human(sum(p.param_bytes for p in plans))}); largest rank: {human(max(p.param_bytes for p in plans))}",
         f"communication per step of {tokens} tokens (max_num_batched_tokens), payload sizes:",
         f"  TP all-reduce per rank: {human(worst_reduce * tokens)}"
         + (f" ({human(worst_reduce)} per token)" if worst_reduce else " (no TP)"),
+        *([f"  TP all-gather of layer outputs per rank: {human(token_gather * tokens)}"] if token_gather else []),
         f"  PP hand-off per stage boundary (hidden_states + residual): {human(send * tokens)}"
         + ("" if send else " (no PP)"),
         f"  logits all-gather on the last stage: {human(gather)} per sampled sequence"

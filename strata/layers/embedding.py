@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.distributed import ParallelContext, pad_vocab
+from strata.distributed import Collective, ParallelContext, StepSize, pad_vocab, tp_collective
 from strata.layers.linear import _copy_checked, can_pack, linear, packed
 
 
@@ -13,7 +13,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, pc: ParallelContext,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.pc, self.vocab_size = pc, vocab_size
+        self.pc, self.vocab_size, self.hidden_size, self.dtype = pc, vocab_size, hidden_size, dtype
         padded = pad_vocab(vocab_size) if pc.tp_size > 1 else vocab_size
         self.rows_per_rank = padded // pc.tp_size
         self.start = pc.tp_rank * self.rows_per_rank
@@ -37,6 +37,12 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.pc.all_reduce(out)
+
+    def collectives(self, step: StepSize) -> list[Collective]:
+        # Tokens enter on the first stage; a later stage holds the embedding only for a tied LM head.
+        if not self.pc.is_first_stage:
+            return []
+        return tp_collective(self.pc, "all_reduce", step.num_tokens * self.hidden_size, self.dtype)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -65,3 +71,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         weight = self.weight if self.packed_weight is None else self.packed_weight
         logits = self.pc.all_gather(linear(hidden, weight))
         return logits[..., : self.vocab_size]  # padding columns are never sampled
+
+    def collectives(self, step: StepSize) -> list[Collective]:
+        """The gather of vocabulary shards in `compute_logits`, which runs only on rows that sample."""
+        if step.num_sampled == 0:
+            return []
+        return tp_collective(self.pc, "all_gather", step.num_sampled * self.rows_per_rank, self.dtype)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.distributed import ParallelContext
+from strata.distributed import Collective, ParallelContext, StepSize, tp_collective
 
 # oneDNN picks its blocked weight layout for a typical batch; any batch size still works with it.
 _PACK_BATCH_HINT = 64
@@ -100,7 +100,7 @@ class ColumnParallelLinear(PackableLinear):
         super().__init__()
         if out_features % pc.tp_size:
             raise ValueError(f"out_features {out_features} is not divisible by tp_size {pc.tp_size}")
-        self.pc, self.gather_output = pc, gather_output
+        self.pc, self.gather_output, self.dtype = pc, gather_output, dtype
         self.out_per_rank = out_features // pc.tp_size
         self.weight = _param((self.out_per_rank, in_features), dtype, self.weight_loader)
         self.bias = _param((self.out_per_rank,), dtype, self.weight_loader) if bias else None
@@ -111,6 +111,11 @@ class ColumnParallelLinear(PackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
         return self.pc.all_gather(y) if self.gather_output else y
+
+    def collectives(self, step: StepSize) -> list[Collective]:
+        if not self.gather_output:
+            return []
+        return tp_collective(self.pc, "all_gather", step.num_tokens * self.out_per_rank, self.dtype)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -176,6 +181,7 @@ class RowParallelLinear(PackableLinear):
         if in_features % pc.tp_size:
             raise ValueError(f"in_features {in_features} is not divisible by tp_size {pc.tp_size}")
         self.pc, self.reduce_results = pc, reduce_results
+        self.out_features, self.dtype = out_features, dtype
         self.weight = _param((out_features, in_features // pc.tp_size), dtype, self.weight_loader)
         self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
 
@@ -187,3 +193,8 @@ class RowParallelLinear(PackableLinear):
         bias = self.bias if self.pc.tp_rank == 0 else None
         y = linear(x, self.weight, bias)
         return self.pc.all_reduce(y) if self.reduce_results else y
+
+    def collectives(self, step: StepSize) -> list[Collective]:
+        if not self.reduce_results:  # the caller reduces the partial sums, and reports it
+            return []
+        return tp_collective(self.pc, "all_reduce", step.num_tokens * self.out_features, self.dtype)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from strata.config import HFConfig, ModelConfig
-from strata.distributed import ParallelContext
+from strata.distributed import Collective, ParallelContext, StepSize, tp_collective
 from strata.layers.activation import silu_and_mul
 from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -105,7 +105,7 @@ class Llama4MoE(nn.Module):
 
     def __init__(self, a: Llama4Args, pc: ParallelContext, dtype: torch.dtype, quantization: str | None) -> None:
         super().__init__()
-        self.pc = pc
+        self.pc, self.hidden_size, self.dtype = pc, a.hidden_size, dtype
         self.router = ReplicatedLinear(a.hidden_size, a.num_experts, dtype=dtype)
         self.experts = FusedMoE(a.num_experts, a.experts_per_token, a.hidden_size, a.intermediate_size,
                                 pc, dtype, quantization, apply_router_weight_on_input=True)
@@ -115,6 +115,10 @@ class Llama4MoE(nn.Module):
         out = self.shared_expert(x)
         out += self.experts(x, self.router(x))
         return self.pc.all_reduce(out)
+
+    def collectives(self, step: StepSize) -> list[Collective]:
+        """Its parts leave partial sums (the shared expert does not reduce): one all-reduce in all."""
+        return tp_collective(self.pc, "all_reduce", step.num_tokens * self.hidden_size, self.dtype)
 
 
 class Llama4Attention(nn.Module):

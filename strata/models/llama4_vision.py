@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.config import HFConfig, ModelConfig
-from strata.distributed import IntermediateTensors, ParallelContext
+from strata.distributed import Collective, IntermediateTensors, ParallelContext, StepSize, module_collectives
 from strata.errors import RequestError
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from strata.layers.rotary import rope_parameters
@@ -222,6 +222,10 @@ class Llama4ForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+    def collectives(self, step: StepSize) -> list[Collective]:
+        """A step's collectives; the vision tower's come on top, per image, in the steps that encode one."""
+        return module_collectives(self.language_model, step)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.distributed import ParallelContext
+from strata.distributed import Collective, ParallelContext, StepSize, tp_collective
 from strata.layers.linear import PackableLinear, _copy_checked, linear
 from strata.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from strata.layers.mamba.ssd import discretize_dt, heads_by_group, ssd_chunk_scan_varlen
@@ -115,6 +115,10 @@ class GatedRMSNorm(nn.Module):
             g = h.view(*h.shape[:-1], -1, self.group_size)
             h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
         return self.weight * h.to(dtype)
+
+    def collectives(self, step: StepSize) -> list[Collective]:
+        """A split group's sum of squares: one float32 per token."""
+        return tp_collective(self.pc, "all_reduce", step.num_tokens, torch.float32) if self.split_group else []
 
 
 @dataclass(frozen=True)
