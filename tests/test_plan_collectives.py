@@ -74,7 +74,7 @@ def _run_steps(config: EngineConfig, pc: ParallelContext, calls: list) -> list[l
         if not pc.is_first_stage:
             intermediate = pc.recv_intermediate(out.num_tokens, hidden_size, config.model.dtype, torch.device("cpu"))
         calls.clear()
-        result = runner.execute(out, intermediate)
+        result = (runner.execute if pc.is_last_stage else runner.execute_stage)(out, intermediate)
         recorded.append(list(calls))
         if not pc.is_last_stage:
             pc.send_intermediate(result).wait()
