@@ -1,6 +1,7 @@
 """Frozen configuration of an engine (model, parallel layout, cache, scheduler) and all its validation."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ import torch
 
 from strata import model_registry as registry
 from strata.distributed import pad_vocab, pp_partition
-from strata.engine_args import QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
+from strata.engine_args import KERNELS, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
 from strata.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,26 @@ def resolve_device(device: str) -> torch.device:
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ConfigError(f"device {device!r} must be auto, cpu or cuda", param="device")
     return torch.device(device)
+
+
+def resolve_kernels(kernels: str, device: str) -> str:
+    """"torch" or "triton" for the `kernels` option: auto takes Triton on CUDA. Triton on CPU runs only in
+    its interpreter, which is slow and meant for testing, so it must be asked for explicitly."""
+    if kernels not in KERNELS:
+        raise ConfigError(f"kernels {kernels!r} must be one of {', '.join(KERNELS)}", param="kernels")
+    on_cuda = resolve_device(device).type == "cuda"
+    has_triton = importlib.util.find_spec("triton") is not None
+    if kernels == "auto":
+        if on_cuda and not has_triton:
+            logger.warning("the triton package is missing: CUDA runs the slower plain-torch kernels")
+        return "triton" if on_cuda and has_triton else "torch"
+    if kernels == "triton" and not has_triton:
+        raise ConfigError("kernels='triton' needs the triton package (pip install triton)", param="kernels")
+    if kernels == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("kernels='triton' on CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 in "
+                          "the environment before starting (slow; for testing), or use kernels='torch'",
+                          param="kernels")
+    return kernels
 
 
 @dataclass(frozen=True)
@@ -171,6 +192,7 @@ class EngineConfig:
     seed: int = 0
     served_model_names: tuple[str, ...] = ()
     chat_template: str | None = None
+    kernels: str = "torch"  # resolved: "torch" or "triton"
 
     @classmethod
     def create(cls, model: str, *, served_model_name: str | list[str] | None = None,
@@ -206,7 +228,8 @@ class EngineConfig:
         if isinstance(served_model_name, str):
             served_model_name = [served_model_name]
         names = tuple(served_model_name or [args.model])
-        config = cls(model_config, parallel, cache, scheduler, args.device, args.seed, names, chat_template)
+        config = cls(model_config, parallel, cache, scheduler, args.device, args.seed, names, chat_template,
+                     resolve_kernels(args.kernels, args.device))
         validate_parallel(config)
         return config
 

@@ -11,6 +11,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 SSM_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("experts_int8",)
+KERNELS = ("auto", "torch", "triton")
 
 
 def int_list(value: str) -> tuple[int, ...]:
@@ -62,6 +63,8 @@ class EngineArgs:
                                        choices=QUANTIZATIONS)
     seed: int = _option(0, "seed of requests that set none")
     device: str = _option("auto", "auto, cpu, cuda or cuda:N")
+    kernels: str = _option("auto", "attention and Mamba kernels: auto (Triton on CUDA, plain torch on CPU), torch, "
+                                   "or triton (on CPU only under TRITON_INTERPRET=1, for testing)", choices=KERNELS)
     nnodes: int = _option(1, "machines the workers are spread over")
     node_rank: int = _option(0, "this machine's index among --nnodes (0 serves)")
     master_addr: str = _option("127.0.0.1", "address of node 0, where all nodes meet")

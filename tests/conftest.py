@@ -1,11 +1,16 @@
 """Shared fixtures: tiny checkpoints built once per session in a temporary folder."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU only in Triton's interpreter, which is chosen before triton is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import make_llama  # noqa: E402

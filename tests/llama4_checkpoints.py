@@ -2,13 +2,17 @@
 has Llama 4's special and image tokens and a Llama 4 style chat template that renders image parts."""
 from __future__ import annotations
 
+import base64
 import functools
+import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import CORPUS
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>",
@@ -144,3 +148,19 @@ def make_llama4_multimodal(folder: Path, *, seed: int = 0, std: float = 0.15, pe
                                                                                             "width": 56}}))
     write_tokenizer(folder, TEXT_CONFIG["vocab_size"])
     return folder
+
+
+def noise_image(height: int, width: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_uri(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_chat(image: Image.Image, text: str = "What is in this picture? Describe it.") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image)}},
+                                         {"type": "text", "text": text}]}]

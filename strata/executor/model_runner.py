@@ -15,9 +15,11 @@ import torch
 from strata.config import EngineConfig
 from strata.distributed import IntermediateTensors, ParallelContext
 from strata.executor.step import ScheduledRequest, SchedulerOutput
+from strata.executor.step_inputs import prepare_step
 from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
-from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
+from strata.layers.attention import Attention
+from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import pack_linear_weights
 from strata.layers.mamba.mixer import MambaState, allocate_states, state_bytes_per_slot
 from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
@@ -26,17 +28,6 @@ from strata.outputs import PromptLogprobsChunk, TokenLogprobs
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ForwardMeta:
-    """Everything a model's layers need about the batch besides token ids and positions."""
-
-    attn: AttentionMetadata
-    state_slots: torch.Tensor | None = None  # Mamba: state slot of each sequence
-    query_start_loc: torch.Tensor | None = None
-    has_initial_state: torch.Tensor | None = None
-    mm_inputs: list = field(default_factory=list)
 
 
 @dataclass
@@ -171,46 +162,13 @@ class ModelRunner:
         return self.model(input_ids, positions, meta, intermediate, **extra)
 
     def _prepare(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:
-        bs, dev = self.block_size, self.device
-        lens = np.array([len(s.token_ids) for s in requests])
-        starts = np.array([s.num_computed_tokens for s in requests])
-        positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens, strict=True)])
-        seq_index = np.repeat(np.arange(len(requests)), lens)
-        width = max(len(s.block_ids) for s in requests)
-        tables = np.zeros((len(requests), width), dtype=np.int64)
-        for i, s in enumerate(requests):
-            tables[i, : len(s.block_ids)] = s.block_ids
-        self._zero_new_blocks(tables)
-        slots = tables[seq_index, positions // bs] * bs + positions % bs
-        num_decodes = int((lens == 1).sum())
-        query_start = np.concatenate([[0], np.cumsum(lens)])
-        prefills = []
-        for i in range(num_decodes, len(requests)):
-            context = None
-            if starts[i] > 0:
-                p = np.arange(starts[i] + lens[i])
-                context = torch.from_numpy(tables[i, p // bs] * bs + p % bs).to(dev)
-            prefills.append(PrefillChunk(int(query_start[i]), int(query_start[i + 1]), int(starts[i]), context))
-        decode_seq_lens = starts[:num_decodes] + 1
-        decode_width = -(-int(decode_seq_lens.max()) // bs) if num_decodes else 0
-        attn = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            num_decodes=num_decodes,
-            decode_block_tables=torch.from_numpy(tables[:num_decodes, :decode_width]).to(dev),
-            decode_seq_lens=torch.from_numpy(decode_seq_lens).to(dev),
-            prefills=prefills,
-            block_size=bs,
-        )
-        input_ids = torch.tensor([t for s in requests for t in s.token_ids], dtype=torch.long, device=dev)
-        meta = ForwardMeta(
-            attn,
-            state_slots=torch.tensor([s.state_slot for s in requests], dtype=torch.long, device=dev),
-            query_start_loc=torch.from_numpy(query_start).to(dev),
-            has_initial_state=torch.from_numpy(starts > 0).to(dev),
-            mm_inputs=[self.states[s.request_id].mm_inputs if s.request_id in self.states else None
-                       for s in requests],
-        )
-        return input_ids, torch.from_numpy(positions).to(dev), meta
+        """(input_ids, positions, ForwardMeta) of a step whose requests come decodes first."""
+        if self.config.kernels == "torch":  # the Triton kernels never read past a sequence's last key
+            self._zero_new_blocks(np.concatenate([np.asarray(s.block_ids, dtype=np.int64) for s in requests]))
+        mm_inputs = [self.states[s.request_id].mm_inputs if s.request_id in self.states else None
+                     for s in requests]
+        return prepare_step(requests, self.block_size, self.device, self.config.kernels, bool(self.mamba_layers),
+                            mm_inputs)
 
     def _multimodal_embeds(self, requests: list[ScheduledRequest], input_ids: torch.Tensor
                            ) -> torch.Tensor | None:

@@ -1,9 +1,10 @@
 """Paged attention: K/V are written into fixed-size blocks and read back through block tables.
 
 The runner orders each step's sequences decodes first (one query token each), then prefill chunks.
-Decodes are attended in one call: on CPU by a kernel reading the blocks in place, elsewhere by SDPA over
-their gathered blocks; each prefill chunk is attended on its own, straight from this step's K/V when it
-has no earlier context.
+With the Triton kernels (CUDA, or the CPU interpreter) decodes and prefill chunks are each one launch reading
+the blocks in place. The plain-torch path attends decodes in one call (on CPU by a C kernel reading the
+blocks in place, elsewhere by SDPA over their gathered blocks) and each prefill chunk on its own, straight
+from this step's K/V when it has no earlier context.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels.triton import attention as triton_attention
 from strata.layers import cpu_attention
 
 # Prefill chunks of windowed or chunked-attention layers are attended in query blocks of at least this
@@ -40,6 +42,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] context length including this step's token
     prefills: list[PrefillChunk]
     block_size: int
+    kernels: str = "torch"  # "triton": every decode in one launch, every prefill chunk in another
+    # Triton path: the prefill chunks' block tables, query offsets (from the first prefill token) and lengths
+    # in the cache after this step.
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_query_start: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_context(self, window: int | None, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +138,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
                 ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
+        if meta.kernels == "triton":
+            return self._forward_triton(q, k, v, meta)
         flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
@@ -139,6 +149,22 @@ class Attention(nn.Module):
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)
         for i, p in enumerate(meta.prefills):
             out[p.query_start:p.query_end] = self._prefill(q, k, v, i, meta, flat_k, flat_v)
+        return out.view(q.shape[0], -1)
+
+    def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+                        ) -> torch.Tensor:
+        """The Triton kernels: K/V written to the cache, then every decode and every prefill chunk read
+        through the block tables in place (a chunk's own keys too), one launch each."""
+        triton_attention.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out, nd = torch.empty_like(q), meta.num_decodes
+        if nd:
+            tables, first_keys, seq_lens = meta.decode_key_ranges(self.sliding_window, self.chunk_size)
+            out[:nd] = triton_attention.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, tables,
+                                                               first_keys, seq_lens, self.scale)
+        if meta.prefills:
+            out[nd:] = triton_attention.varlen_prefill_attention(
+                q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables, meta.prefill_query_start,
+                meta.prefill_seq_lens, self.scale, self.sliding_window, self.chunk_size)
         return out.view(q.shape[0], -1)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

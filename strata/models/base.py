@@ -16,6 +16,7 @@ from torch import nn
 from strata.config import HFConfig, ModelConfig
 from strata.distributed import IntermediateTensors, ParallelContext, pp_layer_range
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
 from strata.models import loader
 
@@ -81,7 +82,7 @@ class CausalLM(nn.Module):
         """Decoder layer `index` (global), called only for this stage's layers."""
         raise NotImplementedError
 
-    def layer_context(self, meta: Any) -> Any:
+    def layer_context(self, meta: ForwardMeta) -> Any:
         """What every layer needs of the runner's ForwardMeta, computed once per forward."""
         return meta.attn
 
@@ -89,7 +90,7 @@ class CausalLM(nn.Module):
         """The last layer's output and residual stream -> final hidden states."""
         return self.get_submodule(self.names.norm)(x, residual)[0]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
                 intermediate: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         if self.pc.is_first_stage:

@@ -14,6 +14,7 @@ from torch import nn
 from strata.config import HFConfig, ModelConfig
 from strata.distributed import Collective, IntermediateTensors, ParallelContext, StepSize, module_collectives
 from strata.errors import RequestError
+from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from strata.layers.rotary import rope_parameters
 from strata.models import loader
@@ -215,7 +216,7 @@ class Llama4ForConditionalGeneration(nn.Module):
             self.vision_model, self.multi_modal_projector = PPMissingLayer(), PPMissingLayer()
             self.missing_prefixes += ["vision_model", "multi_modal_projector"]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
                 intermediate: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         return self.language_model(input_ids, positions, meta, intermediate, inputs_embeds)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +11,7 @@ from torch import nn
 from strata.config import HFConfig
 from strata.distributed import ParallelContext
 from strata.errors import UnsupportedModelError
+from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import RowParallelLinear
 from strata.layers.mamba.mixer import (
     ConvWeights,
@@ -119,8 +119,8 @@ class Mamba2ForCausalLM(CausalLM):
     def make_layer(self, index: int) -> Mamba2Block:
         return Mamba2Block(self.args, self.pc, self.dtype)
 
-    def layer_context(self, meta: Any) -> MambaBatch:
-        return MambaBatch.from_meta(meta)
+    def layer_context(self, meta: ForwardMeta) -> MambaBatch:
+        return meta.mamba
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.backbone.norm_f((residual + x).to(self.dtype))

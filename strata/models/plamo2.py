@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ from strata.config import HFConfig
 from strata.distributed import ParallelContext
 from strata.errors import UnsupportedModelError
 from strata.layers.attention import Attention, AttentionMetadata
+from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from strata.layers.mamba.mixer import ConvWeights, MambaBatch, MambaState, ShardedColumnLinear, sharded_param
 from strata.layers.norm import RMSNorm
@@ -184,8 +185,8 @@ class Plamo2ForCausalLM(CausalLM):
     def make_layer(self, index: int) -> Plamo2DecoderLayer:
         return Plamo2DecoderLayer(self.args, self.pc, self.dtype, index)
 
-    def layer_context(self, meta: Any) -> HybridStep:
-        return HybridStep(meta.attn, MambaBatch.from_meta(meta))
+    def layer_context(self, meta: ForwardMeta) -> HybridStep:
+        return HybridStep(meta.attn, meta.mamba)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self.convert(weights))

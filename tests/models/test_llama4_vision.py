@@ -3,14 +3,17 @@ projector, masked scatter, language model): vision features, logits with an imag
 image split across prefill chunks, text-only requests, prefix caching across images, and PP/TP layouts."""
 from __future__ import annotations
 
-import base64
-import io
 import json
 
-import numpy as np
 import pytest
 import torch
-from llama4_checkpoints import TOKEN, make_llama4_multimodal, one_thread  # noqa: F401 (fixture)
+from llama4_checkpoints import (  # noqa: F401 (fixture)
+    TOKEN,
+    image_chat,
+    make_llama4_multimodal,
+    noise_image,
+    one_thread,
+)
 from PIL import Image
 from transformers import AutoTokenizer, Llama4ForConditionalGeneration
 
@@ -25,22 +28,6 @@ from strata.multimodal.chat import ImagePromptProcessor, render_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PATCH = TOKEN["<|patch|>"]
-
-
-def noise_image(height: int, width: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def data_uri(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def image_chat(image: Image.Image, text: str = "What is in this picture? Describe it.") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image)}},
-                                         {"type": "text", "text": text}]}]
 
 
 @pytest.fixture(scope="module")

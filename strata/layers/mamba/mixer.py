@@ -3,9 +3,12 @@ slots, and the split of a step into decodes (one-step state update) and prefills
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +126,7 @@ class GatedRMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class MambaBatch:
-    """How one step's sequences use their state slots; built once per forward from the runner's metadata.
+    """How one step's sequences use their state slots; built once per step by the runner, on the host.
 
     Sequences come decodes first (one token each), then prefill chunks.
     """
@@ -134,18 +137,20 @@ class MambaBatch:
     prefill_query_start: torch.Tensor  # [S - D + 1] token offsets within the prefill tokens
     fresh_slots: torch.Tensor | None  # slots of sequences starting from their first token
     decode_span: tuple[int, int] | None  # (first, end) when the decode slots are consecutive, ascending
+    kernels: str = "torch"  # "triton": the Triton kernels, reading and writing the slots in place
+    prefill_has_initial_state: torch.Tensor | None = None  # [S - D] bool (Triton path)
+    scan_chunks: Any = None  # the Triton scan's chunk layout (strata.kernels.triton.ssd.ScanChunks)
 
-    @classmethod
-    def from_meta(cls, meta) -> MambaBatch:
-        nd = meta.attn.num_decodes
-        slots, qsl = meta.state_slots, meta.query_start_loc
-        fresh = slots[~meta.has_initial_state.to(torch.bool)]
-        span = None
-        if nd and slots.device.type == "cpu":  # elsewhere reading the slots back would stall the device
-            first = int(slots[0])
-            if torch.equal(slots[:nd], torch.arange(first, first + nd, dtype=slots.dtype)):
-                span = (first, first + nd)
-        return cls(nd, slots[:nd], slots[nd:], qsl[nd:] - qsl[nd], fresh if fresh.numel() else None, span)
+
+@functools.cache
+def _triton() -> SimpleNamespace:
+    """The Triton kernels, imported on first use: Triton decides at import whether they run in its CPU
+    interpreter (TRITON_INTERPRET=1), which must be set by then."""
+    from strata.kernels.triton import causal_conv1d, ssd, state_update
+
+    return SimpleNamespace(conv_varlen=causal_conv1d.causal_conv1d_varlen,
+                           conv_update=causal_conv1d.causal_conv1d_update, scan=ssd.ssd_chunk_scan_varlen,
+                           state_update=state_update.selective_state_update)
 
 
 class MambaState(nn.Module):
@@ -175,6 +180,8 @@ class MambaState(nn.Module):
             # The conv runs first in every Mamba layer: a reused slot holds an earlier request's state.
             self.conv_state.index_fill_(0, batch.fresh_slots, 0)
             self.ssm_state.index_fill_(0, batch.fresh_slots, 0)
+        if batch.kernels == "triton":
+            return self._conv_triton(x, weight, bias, batch)
         nd = batch.num_decodes
         outs = []
         if nd and batch.decode_span:
@@ -192,6 +199,8 @@ class MambaState(nn.Module):
              D: torch.Tensor, z: torch.Tensor | None, dt_bias: torch.Tensor, batch: MambaBatch) -> torch.Tensor:
         """The selective SSM over x [T, H, P] (dt [T, H], B/C [T, G, N], z [T, H, P] or None), from and to
         each sequence's slot. Returns y [T, H, P]."""
+        if batch.kernels == "triton":
+            return self._scan_triton(x, dt, A, B, C, D, z, dt_bias, batch)
         nd = batch.num_decodes
         outs = []
         if nd and self.ssm_state.dtype == torch.float32:
@@ -209,6 +218,34 @@ class MambaState(nn.Module):
             outs.append(y)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+
+    def _conv_triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     batch: MambaBatch) -> torch.Tensor:
+        """`conv` through the Triton kernels: decodes and prefills each in one launch, slots in place (fresh
+        sequences start from zeros whatever their slot holds, so nothing is cleared)."""
+        kernels, nd = _triton(), batch.num_decodes
+        out = torch.empty_like(x)
+        if nd:
+            out[:nd] = kernels.conv_update(x[:nd], self.conv_state, weight, bias, "silu", batch.decode_slots)
+        if x.shape[0] > nd:
+            out[nd:] = kernels.conv_varlen(x[nd:], weight, bias, batch.prefill_query_start, self.conv_state,
+                                           batch.prefill_slots, batch.prefill_has_initial_state, "silu")
+        return out
+
+    def _scan_triton(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                     D: torch.Tensor, z: torch.Tensor | None, dt_bias: torch.Tensor, batch: MambaBatch) -> torch.Tensor:
+        """`scan` through the Triton kernels: the decodes' state update and the prefills' chunked scan, in place."""
+        kernels, nd = _triton(), batch.num_decodes
+        y = torch.empty_like(x)
+        if nd:
+            y[:nd] = kernels.state_update(self.ssm_state, x[:nd], dt[:nd], A, B[:nd], C[:nd], D,
+                                          None if z is None else z[:nd], dt_bias, True, self.dt_limit,
+                                          batch.decode_slots)
+        if x.shape[0] > nd:
+            y[nd:] = kernels.scan(x[nd:], dt[nd:], A, B[nd:], C[nd:], batch.scan_chunks, self.ssm_state,
+                                  batch.prefill_slots, batch.prefill_has_initial_state, D,
+                                  None if z is None else z[nd:], dt_bias, True, self.dt_limit)
+        return y
 
     def _conv_decode_in_place(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               span: tuple[int, int]) -> torch.Tensor:

@@ -2,8 +2,6 @@
 and its TP shard rule for units (heads, groups) fewer than the ranks."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -16,10 +14,10 @@ H, P, N, C, K, SLOTS = 4, 8, 6, 32, 4, 8
 
 
 def batch_for(slots: list[int]) -> MambaBatch:
-    n = len(slots)
-    meta = SimpleNamespace(attn=SimpleNamespace(num_decodes=n), state_slots=torch.tensor(slots),
-                           query_start_loc=torch.arange(n + 1), has_initial_state=torch.ones(n, dtype=torch.bool))
-    return MambaBatch.from_meta(meta)
+    n, first = len(slots), slots[0]
+    span = (first, first + n) if slots == list(range(first, first + n)) else None
+    return MambaBatch(n, torch.tensor(slots), torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                      None, span)
 
 
 @pytest.mark.parametrize(("slots", "consecutive"), [([2, 3, 4], True), ([5, 1, 3], False)])
