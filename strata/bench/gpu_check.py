@@ -41,7 +41,7 @@ def execute(name: str, ctx: Context) -> dict:
         entry = {"status": "ok", "result": section(ctx)}
         if cuda:
             entry["cuda_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    except Exception:
+    except (Exception, SystemExit):  # SystemExit: argparse refusing flags, e.g. after a CLI change
         entry = {"status": "error", "error": traceback.format_exc()}
     entry["elapsed_s"] = round(time.perf_counter() - started, 2)
     gc.collect()

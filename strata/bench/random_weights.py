@@ -11,7 +11,7 @@ import torch
 
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=32000)
-MAMBA2_1B = dict(hidden_size=2048, num_hidden_layers=40, head_dim=64, state_size=128, n_groups=8, chunk_size=256,
+MAMBA2_1B = dict(hidden_size=2048, num_hidden_layers=32, head_dim=64, state_size=128, n_groups=8, chunk_size=256,
                  vocab_size=32000)
 PLAMO2_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=1,
                  head_dim=128, mamba_num_heads=32, d_state=64, intermediate_size=8192, chunk_size=256,
