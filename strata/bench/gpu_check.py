@@ -33,19 +33,17 @@ THROUGHPUT_PAIRS = ("llama", "mamba2")
 def execute(name: str, ctx: Context) -> dict:
     """Runs one section here; its entry: status, result or traceback, seconds, peak CUDA memory of this process."""
     section = SECTIONS[name][0]
-    cuda = ctx.args.device.startswith("cuda")
     started = time.perf_counter()
     try:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
         entry = {"status": "ok", "result": section(ctx)}
-        if cuda:
-            entry["cuda_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     except (Exception, SystemExit):  # SystemExit: argparse refusing flags, e.g. after a CLI change
         entry = {"status": "error", "error": traceback.format_exc()}
     entry["elapsed_s"] = round(time.perf_counter() - started, 2)
     gc.collect()
-    if cuda:
+    # Only where the section used CUDA here: the parent, which runs pytest, never opens a CUDA context.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        entry["cuda_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        torch.cuda.reset_peak_memory_stats()
         torch.cuda.empty_cache()
     return entry
 
