@@ -59,12 +59,16 @@ def _bench_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float
     return elapsed, load
 
 
-def run_throughput(args: argparse.Namespace) -> int:
+def bench_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """The token ids `strata bench throughput` feeds for these flags (also what baselines must be given)."""
     from strata.config import ModelConfig
 
     model = ModelConfig.from_path(args.model)
-    prompts = random_prompts(args.num_prompts, args.input_len, model.vocab_size, args.seed,
-                             avoid=model.eos_token_ids)
+    return random_prompts(args.num_prompts, args.input_len, model.vocab_size, args.seed, avoid=model.eos_token_ids)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    prompts = bench_prompts(args)
     backend = getattr(args, "backend", "strata")
     elapsed, load = (_bench_hf if backend == "hf" else _bench_strata)(args, prompts)
     total = args.num_prompts * (args.input_len + args.output_len)
