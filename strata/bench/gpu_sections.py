@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import inspect
 import json
 import os
-import pkgutil
 import platform
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +17,6 @@ import torch
 from strata.bench import random_weights
 
 HBM_BYTES_PER_S = 4.3e12  # H200
-KERNEL_MODULES = ("attention", "causal_conv1d", "ssd", "state_update")
 WRITERS = {"llama": random_weights.write_llama, "mamba2": random_weights.write_mamba2,
            "plamo2": random_weights.write_plamo2}
 
@@ -232,47 +227,26 @@ def section_decode_batch1(ctx: Context) -> dict:
                        f"({floor / per_token:.0%} of the floor)"}
 
 
-def _import(name: str) -> tuple[object | None, dict | None]:
-    try:
-        return importlib.import_module(name), None
-    except ModuleNotFoundError as e:
-        if e.name == name:
-            return None, {"status": "missing: no such module"}
-        return None, {"status": "import failed", "error": traceback.format_exc()}
-    except Exception:
-        return None, {"status": "import failed", "error": traceback.format_exc()}
-
-
-def run_kernel_benchmarks(modules: list[str], kwargs: dict) -> dict:
-    """Calls `benchmark` of each named module with the keywords it accepts; records what is missing or fails."""
-    results: dict[str, dict] = {}
-    for name in modules:
-        module, failure = _import(name)
-        bench = getattr(module, "benchmark", None)
-        if failure or bench is None:
-            results[name] = failure or {"status": "missing: no benchmark() function"}
-            continue
-        accepted = inspect.signature(bench).parameters
-        started = time.perf_counter()
-        try:
-            results[name] = {"status": "ok", "result": bench(**{k: v for k, v in kwargs.items() if k in accepted})}
-        except Exception:
-            results[name] = {"status": "error", "error": traceback.format_exc()}
-        results[name]["elapsed_s"] = round(time.perf_counter() - started, 3)
-    return results
-
-
 def section_kernels(ctx: Context) -> dict:
-    package = "strata.kernels.triton"
-    found = {m.name for m in pkgutil.iter_modules(importlib.import_module(package).__path__)}
-    names = [f"{package}.{m}" for m in sorted(found | set(KERNEL_MODULES))]
-    if ctx.args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        results = {n: {"status": "not run: Triton on CPU needs TRITON_INTERPRET=1"} for n in names}
-    else:
-        results = run_kernel_benchmarks(names, {"device": ctx.args.device, "dtype": ctx.dtype,
-                                                "quick": ctx.args.quick})
-    ran = [n.rsplit(".", 1)[1] for n, r in results.items() if r["status"] == "ok"]
-    return {"modules": results, "summary": f"benchmarked: {', '.join(ran) or 'none'} of {len(names)} modules"}
+    """Milliseconds per call of the Triton kernels (attention decode and prefill, the Mamba2 kernels beside
+    their torch references) at realistic sizes, or tiny ones with --quick."""
+    if ctx.args.device == "cpu":
+        return {"summary": "not run: kernel timings (triton.testing.do_bench) need a GPU"}
+    from strata.bench.mamba_kernels import benchmark as mamba_benchmark
+    from strata.kernels.triton.attention import benchmark as attention_benchmark
+
+    device, dtype = ctx.args.device, ctx.dtype
+    small = dict(num_seqs=2, context_len=32, query_len=16, num_heads=4, num_kv_heads=2, head_dim=16) \
+        if ctx.args.quick else {}
+    result = {f"attention_{kind}_ms": _sig(attention_benchmark(kind, dtype=dtype, device=device, **small))
+              for kind in ("decode", "prefill")}
+    result["attention_shape"] = small or "64 sequences x 4096 keys (decode), 64 x 512 queries after 4096 (prefill)"
+    mamba_small = dict(num_tokens=64, num_seqs=2, heads=4, head_dim=16, groups=2, dstate=16, chunk_size=16,
+                       decode_batch=4) if ctx.args.quick else {}
+    result["mamba_ms"] = {k: _sig(v) for k, v in mamba_benchmark(dtype=dtype, device=device, **mamba_small).items()}
+    result["summary"] = (f"attention decode {result['attention_decode_ms']} ms, prefill "
+                         f"{result['attention_prefill_ms']} ms; mamba {result['mamba_ms']}")
+    return result
 
 
 # Most important first. Name -> (section, seconds it needs at least, seconds it may take at most) on the GPU.

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 
 import torch
 
 from strata.bench import gpu_check
-from strata.bench.gpu_sections import SECTIONS, run_kernel_benchmarks
+from strata.bench.gpu_sections import SECTIONS
 from strata.bench.hf_baseline import _run_batches, left_padded
 
 GPU_TESTS = """
@@ -57,7 +55,7 @@ def test_quick_cpu_run_fills_every_section(tmp_path):
     decode = sections["llama_decode_batch1"]
     assert decode["ms_per_token"] > 0 and 0 < decode["fraction_of_floor"]
     assert decode["weight_bytes"] == sections["llama_strata"]["weight_bytes"]
-    assert set(sections["kernel_benchmarks"]["modules"]) >= {"strata.kernels.triton.attention"}
+    assert sections["kernel_benchmarks"]["summary"].startswith("not run")  # CUDA timings only
 
 
 def test_sections_past_the_budget_are_skipped_with_a_note(tmp_path):
@@ -87,26 +85,6 @@ def test_a_failing_section_records_its_traceback_and_the_run_goes_on(tmp_path, m
     sections = json.loads(out.read_text())["sections"]
     assert sections["environment"]["status"] == "error" and "kernel exploded" in sections["environment"]["error"]
     assert sections["kernel_benchmarks"]["status"] == "ok"
-
-
-def test_kernel_benchmarks_get_the_keywords_they_take_and_failures_are_recorded(tmp_path, monkeypatch):
-    (tmp_path / "fake_kernel_ok.py").write_text(textwrap.dedent("""
-        def benchmark(device, quick=False):
-            return {"device": device, "quick": quick, "us": 1.5}
-    """))
-    (tmp_path / "fake_kernel_raises.py").write_text("def benchmark():\n    raise ValueError('bad shape')\n")
-    (tmp_path / "fake_kernel_without.py").write_text("X = 1\n")
-    (tmp_path / "fake_kernel_broken.py").write_text("import no_such_dependency_anywhere\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    names = ["fake_kernel_ok", "fake_kernel_raises", "fake_kernel_without", "fake_kernel_broken", "fake_kernel_gone"]
-    results = run_kernel_benchmarks(names, {"device": "cuda", "dtype": torch.bfloat16, "quick": True})
-    for name in names:
-        sys.modules.pop(name, None)
-    assert results["fake_kernel_ok"]["result"] == {"device": "cuda", "quick": True, "us": 1.5}
-    assert results["fake_kernel_raises"]["status"] == "error" and "bad shape" in results["fake_kernel_raises"]["error"]
-    assert results["fake_kernel_without"]["status"].startswith("missing: no benchmark")
-    assert results["fake_kernel_broken"]["status"] == "import failed"
-    assert results["fake_kernel_gone"]["status"] == "missing: no such module"
 
 
 def test_transformers_baseline_halves_its_batch_on_out_of_memory(monkeypatch):
