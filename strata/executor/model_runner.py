@@ -138,7 +138,8 @@ class ModelRunner:
         requests = self._begin_step(out)
         if not requests:
             return RunnerOutput()
-        return self._sample(requests, self._forward(requests, intermediate))
+        hidden, meta = self._forward(requests, intermediate)
+        return self._sample(requests, hidden, meta.logits_indices)
 
     @torch.inference_mode()
     def execute_stage(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
@@ -147,7 +148,7 @@ class ModelRunner:
         without requests). `intermediate` is what the previous stage sent (None on the first stage)."""
         assert not self.pc.is_last_stage, "the last stage runs execute"
         requests = self._begin_step(out)
-        return self._forward(requests, intermediate) if requests else None
+        return self._forward(requests, intermediate)[0] if requests else None
 
     def _begin_step(self, out: SchedulerOutput) -> list[ScheduledRequest]:
         """Update per-request state; the step's requests in the order the batch is laid out (decodes first)."""
@@ -155,11 +156,11 @@ class ModelRunner:
         return sorted(out.requests, key=lambda s: len(s.token_ids) != 1)
 
     def _forward(self, requests: list[ScheduledRequest], intermediate: IntermediateTensors | None
-                 ) -> torch.Tensor | IntermediateTensors:
+                 ) -> tuple[torch.Tensor | IntermediateTensors, ForwardMeta]:
         input_ids, positions, meta = self._prepare(requests)
         embeds = self._multimodal_embeds(requests, input_ids)
         extra = {} if embeds is None else {"inputs_embeds": embeds}
-        return self.model(input_ids, positions, meta, intermediate, **extra)
+        return self.model(input_ids, positions, meta, intermediate, **extra), meta
 
     def _prepare(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:
         """(input_ids, positions, ForwardMeta) of a step whose requests come decodes first."""
@@ -196,13 +197,13 @@ class ModelRunner:
         embeds[torch.cat(rows)] = torch.cat(features).to(embeds.dtype)
         return embeds
 
-    def _sample(self, requests: list[ScheduledRequest], hidden: torch.Tensor) -> RunnerOutput:
+    def _sample(self, requests: list[ScheduledRequest], hidden: torch.Tensor, logits_indices: torch.Tensor
+                ) -> RunnerOutput:
         result = RunnerOutput()
         ends = np.cumsum([len(s.token_ids) for s in requests])
         sampling = [i for i, s in enumerate(requests) if s.sample]
         if sampling:
-            rows_index = torch.tensor([int(ends[i]) - 1 for i in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[rows_index])
+            logits = self.model.compute_logits(hidden[logits_indices])
             rows = []
             for i in sampling:
                 state = self.states[requests[i].request_id]

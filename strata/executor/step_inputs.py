@@ -62,6 +62,7 @@ def prepare_step(requests: Sequence[ScheduledRequest], block_size: int, device: 
         "slot_mapping": slot_of(np.repeat(np.arange(len(requests)), lens), positions),
         "decode_block_tables": tables[:nd, :-(-int(seq_lens[:nd].max(initial=0)) // block_size)],
         "decode_seq_lens": seq_lens[:nd],
+        "logits_indices": query_start[1:][np.array([s.sample for s in requests], dtype=bool)] - 1,
     }
     continued = [i for i in range(nd, len(requests)) if starts[i] > 0]
     if triton:
@@ -91,7 +92,7 @@ def prepare_step(requests: Sequence[ScheduledRequest], block_size: int, device: 
                              prefill_query_start=views.get("prefill_query_start"),
                              prefill_seq_lens=views.get("prefill_seq_lens"))
     mamba = _mamba_batch(arrays, views, nd, kernels, scan_chunk_size(device)) if with_mamba else None
-    return views["input_ids"], views["positions"], ForwardMeta(attn, mamba, mm_inputs)
+    return views["input_ids"], views["positions"], ForwardMeta(attn, mamba, mm_inputs, views["logits_indices"])
 
 
 def scan_chunk_size(device: torch.device) -> int:
