@@ -31,6 +31,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.dead_error: BaseException | None = None
+        self.num_waiting = 0  # requests added whose first output has not come yet (touched by the loop only)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self._thread.start()
@@ -67,10 +68,14 @@ class AsyncEngine:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(("add", request_id, prompt, params))
         self._wake.set()
-        finished = False
+        finished, waiting = False, True
+        self.num_waiting += 1
         try:
             while True:
                 item = await stream.get()
+                if waiting:
+                    waiting = False
+                    self.num_waiting -= 1
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -78,10 +83,21 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            if waiting:
+                self.num_waiting -= 1
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def fail_all(self, error: StrataError) -> int:
+        """End every running request with `error` (each stream raises it, which aborts the request); returns
+        how many there were. A draining server calls this when its time is up."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver(request_id, error)
+        return len(request_ids)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -245,6 +245,25 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class LoadResponse(BaseModel):
+    load: int = Field(description="requests running plus waiting")
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
+    vocab_size: int
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

@@ -15,7 +15,8 @@ from strata.config import EngineConfig
 from strata.engine.async_engine import AsyncEngine
 from strata.errors import RequestError
 from strata.multimodal.chat import parse_message_content
-from strata.server.app import _resolve_model, _watch, build_app
+from strata.server.app import build_app
+from strata.server.lifecycle import _resolve_model, _watch
 from strata.server.metrics import ServerMetrics
 from strata.server.protocol import ChatMessage
 

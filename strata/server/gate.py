@@ -1,0 +1,111 @@
+"""The server's door, as ASGI middleware: bodies over the size limit get 413, a draining server answers 503
+to everything new (so routers move away), and requests in flight are counted so a drain knows when it is done."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from strata.errors import OverloadedError, RequestTooLargeError, StrataError
+from strata.server.protocol import error_body
+
+logger = logging.getLogger(__name__)
+
+# Prometheus keeps scraping a draining server: the drain itself is worth watching.
+_OPEN_WHILE_DRAINING = frozenset({"/metrics"})
+
+
+class Gate:
+    """The state the middleware and the drain share (one per app)."""
+
+    def __init__(self, max_request_bytes: int | None = None) -> None:
+        self.max_request_bytes = max_request_bytes
+        self.draining = False
+        self.in_flight = 0
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no request is in flight, False if `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight > 0:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+
+class GateMiddleware:
+    def __init__(self, app: ASGIApp, gate: Gate) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        gate = self.gate
+        gate.in_flight += 1
+        try:
+            if gate.draining and scope["path"] not in _OPEN_WHILE_DRAINING:
+                await _send_error(send, OverloadedError("the server is shutting down"), close=True)
+                return
+            limit = gate.max_request_bytes
+            if limit is not None:
+                if _content_length(scope) > limit:
+                    await _send_error(send, _too_large(limit))
+                    return
+                receive = _limited(receive, limit)
+            await self.app(scope, receive, send)
+        finally:
+            gate.in_flight -= 1
+
+
+def _too_large(limit: int) -> RequestTooLargeError:
+    return RequestTooLargeError(f"the request body is larger than the server's limit of {limit} bytes "
+                                "(--max-request-bytes)", param="body")
+
+
+def _content_length(scope: Scope) -> int:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """`receive` that fails once the body (sent in chunks, without a Content-Length) passes `limit`."""
+    seen = 0
+
+    async def wrapped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _too_large(limit)
+        return message
+
+    return wrapped
+
+
+async def _send_error(send: Send, exc: StrataError, close: bool = False) -> None:
+    status, body = error_body(exc)
+    headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+    headers += [(k.encode(), v.encode()) for k, v in error_headers(exc).items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    payload = body.model_dump_json().encode()
+    headers.append((b"content-length", str(len(payload)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def error_headers(exc: Any) -> dict[str, str]:
+    """Retry-After on answers that ask the client to come back later."""
+    retry_after = getattr(exc, "retry_after_s", None)
+    return {} if retry_after is None else {"Retry-After": str(retry_after)}
