@@ -8,6 +8,7 @@ from typing import Any, Union, get_args
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from strata.server.protocol import ChatCompletionChunk, ErrorResponse
@@ -47,14 +48,18 @@ def route_doc(request: Any, response: Any, *, auth: bool = False, stream: bool =
     else:
         ok = {"description": "OK", "content": {"application/json": {"schema": _schema_of(response)}}}
         if stream:
-            ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": _STREAM_DOC}}
+            # Before OpenAPI 3.2, an event stream's `schema` describes one event.
+            event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+                     "description": _STREAM_DOC}
+            ok["content"]["text/event-stream"] = {"schema": event}
     codes = sorted({*errors, *((401,) if auth else ())})
     responses: dict[int | str, Any] = {200: ok}
     responses.update({code: {"description": _ERRORS[code], "model": ErrorResponse} for code in codes})
     extra: dict[str, Any] = {}
     if request is not None:
         extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": _schema_of(request)}}}
-    return {"responses": responses, "openapi_extra": extra}
+    # A plain Response class: FastAPI then adds no JSON body of its own to what is documented here.
+    return {"responses": responses, "openapi_extra": extra, "response_class": Response}
 
 
 def install_openapi(app: FastAPI, requests: list[type[BaseModel]], answers: list[type[BaseModel]]) -> None:
