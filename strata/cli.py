@@ -61,6 +61,8 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prefix-len", type=int, default=0, help="tokens (or words) of a shared prefix before each prompt")
+    p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (with --prefix-len)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--tokenizer", default=None, help="checkpoint folder whose tokenizer builds the prompts")
     p.add_argument("--seed", type=int, default=0)

@@ -31,7 +31,6 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.dead_error: BaseException | None = None
-        self.num_waiting = 0  # requests added whose first output has not come yet (touched by the loop only)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self._thread.start()
@@ -68,14 +67,10 @@ class AsyncEngine:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(("add", request_id, prompt, params))
         self._wake.set()
-        finished, waiting = False, True
-        self.num_waiting += 1
+        finished = False
         try:
             while True:
                 item = await stream.get()
-                if waiting:
-                    waiting = False
-                    self.num_waiting -= 1
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -83,8 +78,6 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if waiting:
-                self.num_waiting -= 1
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:

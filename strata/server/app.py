@@ -129,15 +129,15 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
     names = list(config.served_model_names)
     metrics = ServerMetrics(engine, names[0])
     log_requests = not getattr(args, "disable_log_requests", False)
-    max_waiting = getattr(args, "max_waiting_requests", None)
-    completions = CompletionServing(engine, metrics, log_requests, max_waiting)
-    chat = ChatServing(engine, metrics, log_requests, max_waiting, chat_template=config.chat_template,
+    completions = CompletionServing(engine, metrics, log_requests)
+    chat = ChatServing(engine, metrics, log_requests, chat_template=config.chat_template,
                        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
                        allow_remote_media=getattr(args, "allow_remote_media", False))
 
     app = FastAPI(title="strata", version=__version__,
                   description="OpenAI-compatible API (with vLLM's extra fields) of one strata engine.")
-    gate = gate or Gate(getattr(args, "max_request_bytes", None))
+    gate = gate or Gate(getattr(args, "max_request_bytes", None), getattr(args, "max_waiting_requests", None))
+    gate.running = lambda: engine.stats()["running"]
     app.add_middleware(GateMiddleware, gate=gate)
     app.state.engine, app.state.metrics, app.state.gate = engine, metrics, gate
     for exc_type in (StrataError, StarletteHTTPException, RequestValidationError, Exception):

@@ -1,10 +1,12 @@
-"""The server's door, as ASGI middleware: bodies over the size limit get 413, a draining server answers 503
-to everything new (so routers move away), and requests in flight are counted so a drain knows when it is done."""
+"""The server's door, as ASGI middleware: bodies over the size limit get 413; past --max-waiting-requests new
+generation requests get 503 + Retry-After; a draining server answers 503 to everything new (so routers move
+away); requests in flight are counted, so a drain knows when it is done."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,15 +18,29 @@ logger = logging.getLogger(__name__)
 
 # Prometheus keeps scraping a draining server: the drain itself is worth watching.
 _OPEN_WHILE_DRAINING = frozenset({"/metrics"})
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 
 
 class Gate:
     """The state the middleware and the drain share (one per app)."""
 
-    def __init__(self, max_request_bytes: int | None = None) -> None:
+    def __init__(self, max_request_bytes: int | None = None, max_waiting: int | None = None) -> None:
         self.max_request_bytes = max_request_bytes
+        self.max_waiting = max_waiting
+        self.running: Callable[[], int] = lambda: 0  # sequences the engine runs now
         self.draining = False
         self.in_flight = 0
+        self.generating = 0  # generation requests in flight: running ones, and the rest wait
+
+    def overloaded(self) -> OverloadedError | None:
+        """Counted when a request arrives (before any await), so a burst cannot slip past the bound."""
+        if self.max_waiting is None:
+            return None
+        waiting = self.generating - self.running()
+        if waiting < self.max_waiting:
+            return None
+        return OverloadedError(f"the server is overloaded: {waiting} requests are waiting "
+                               f"(--max-waiting-requests {self.max_waiting}); retry later")
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no request is in flight, False if `timeout_s` passed first."""
@@ -51,15 +67,32 @@ class GateMiddleware:
             if gate.draining and scope["path"] not in _OPEN_WHILE_DRAINING:
                 await _send_error(send, OverloadedError("the server is shutting down"), close=True)
                 return
-            limit = gate.max_request_bytes
-            if limit is not None:
-                if _content_length(scope) > limit:
-                    await _send_error(send, _too_large(limit))
-                    return
-                receive = _limited(receive, limit)
-            await self.app(scope, receive, send)
+            if scope["path"] in _GENERATION_PATHS and scope["method"] == "POST":
+                await self._generate(scope, receive, send)
+                return
+            await self._call(scope, receive, send)
         finally:
             gate.in_flight -= 1
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = self.gate.overloaded()
+        if error is not None:
+            await _send_error(send, error)
+            return
+        self.gate.generating += 1
+        try:
+            await self._call(scope, receive, send)
+        finally:
+            self.gate.generating -= 1
+
+    async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.gate.max_request_bytes
+        if limit is not None:
+            if _content_length(scope) > limit:
+                await _send_error(send, _too_large(limit))
+                return
+            receive = _limited(receive, limit)
+        await self.app(scope, receive, send)
 
 
 def _too_large(limit: int) -> RequestTooLargeError:

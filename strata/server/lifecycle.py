@@ -49,7 +49,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine = None
     try:
         engine = AsyncEngine.from_config(config)
-        gate = Gate(args.max_request_bytes)
+        gate = Gate(args.max_request_bytes, args.max_waiting_requests)
         asyncio.run(_serve(build_app(engine, args, gate), engine, gate, args))
     except KeyboardInterrupt:
         logger.info("interrupted; shutting down")

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from strata.engine.async_engine import AsyncEngine
 from strata.engine.request import ProcessedPrompt
-from strata.errors import EngineDeadError, NotFoundError, OverloadedError, RequestError, StrataError
+from strata.errors import EngineDeadError, NotFoundError, RequestError, StrataError
 from strata.outputs import Logprob, PositionLogprobs, RequestOutput
 from strata.sampling_params import MAX_LOGPROBS, SamplingParams
 from strata.server.metrics import ServerMetrics
@@ -39,10 +39,8 @@ Disconnected = Callable[[], Awaitable[None]]
 class Serving:
     """Base of the completions and chat handlers: one engine, its served names and its metrics."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, log_requests: bool = True,
-                 max_waiting: int | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, log_requests: bool = True) -> None:
         self.engine = engine
-        self.max_waiting = max_waiting
         self.metrics = metrics
         self.log_requests = log_requests
         self.served_model_names = list(engine.config.served_model_names)
@@ -76,12 +74,6 @@ class Serving:
         if kind != "text":
             raise RequestError(f"response_format {kind!r} (structured output) is not supported; use 'text'",
                                param="response_format")
-
-    def admit(self, num_requests: int) -> None:
-        """Refuse (503, Retry-After) rather than queue past --max-waiting-requests."""
-        if self.max_waiting is not None and self.engine.num_waiting + num_requests > self.max_waiting:
-            raise OverloadedError(f"the server is overloaded: {self.engine.num_waiting} requests are waiting "
-                                  f"(--max-waiting-requests {self.max_waiting}); retry later")
 
     def check_logprobs(self, value: int | None, param: str) -> None:
         if value is not None and not 0 <= value <= MAX_LOGPROBS:

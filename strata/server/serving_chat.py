@@ -68,7 +68,6 @@ class ChatServing(Serving):
     async def create(self, req: ChatCompletionRequest, disconnected: Disconnected | None = None
                      ) -> ChatCompletionResponse | AsyncIterator[str] | None:
         job = self._job(req)
-        self.admit(1)
         stream = self.open_stream(job.request_id, job.prompt, job.params, time.monotonic())
         if req.stream:
             return sse_with_errors(self._stream(job, stream))

@@ -47,7 +47,6 @@ class CompletionServing(Serving):
                      ) -> CompletionResponse | AsyncIterator[str] | None:
         """A response, an SSE stream (when req.stream), or None when the client left before the end."""
         job = self._job(req)
-        self.admit(len(job.prompts))
         arrival = time.monotonic()
         streams = [self.open_stream(f"{job.request_id}-{i}", p, job.params, arrival)
                    for i, p in enumerate(job.prompts)]

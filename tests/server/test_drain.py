@@ -27,7 +27,9 @@ async def _stream(client: httpx.AsyncClient, i: int, max_tokens: int, started: a
     outcome = None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
-        events = [line[6:] async for line in _lines(response, started)]
+        if started is not None:  # the headers came: the request is accepted and in flight
+            started.set()
+        events = [line[6:] async for line in _lines(response)]
     assert events[-1] == "[DONE]"
     for event in events[:-1]:
         chunk = json.loads(event)
@@ -39,11 +41,9 @@ async def _stream(client: httpx.AsyncClient, i: int, max_tokens: int, started: a
     return outcome
 
 
-async def _lines(response: httpx.Response, started: asyncio.Event | None):
+async def _lines(response: httpx.Response):
     async for line in response.aiter_lines():
         if line.startswith("data: "):
-            if started is not None:
-                started.set()
             yield line
 
 
@@ -53,7 +53,7 @@ async def _drain_while_streaming(server, n: int, max_tokens: int) -> tuple[list[
         streams = [asyncio.create_task(_stream(c, i, max_tokens, started[i])) for i in range(n)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         server.process.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.1)
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as fresh:  # a new connection
             refused = [(await fresh.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code,
                        (await fresh.get("/health")).status_code]
@@ -61,9 +61,9 @@ async def _drain_while_streaming(server, n: int, max_tokens: int) -> tuple[list[
 
 
 def test_sigterm_lets_running_streams_finish_refuses_new_requests_and_exits_0(server_checkpoint, tmp_path):
-    server = _start(server_checkpoint, tmp_path, "--max-num-seqs", "32", "--shutdown-timeout", "60")
+    server = _start(server_checkpoint, tmp_path, "--max-num-seqs", "8", "--shutdown-timeout", "60")
     try:
-        outcomes, refused = asyncio.run(_drain_while_streaming(server, 20, 40))
+        outcomes, refused = asyncio.run(_drain_while_streaming(server, 20, 200))
         assert outcomes == ["length"] * 20
         assert refused == [503, 503]
         assert server.process.wait(timeout=30) == 0
