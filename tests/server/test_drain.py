@@ -72,10 +72,12 @@ def test_sigterm_lets_running_streams_finish_refuses_new_requests_and_exits_0(se
 
 
 def test_drain_timeout_ends_what_is_left_with_an_error_and_exits_0(server_checkpoint, tmp_path):
-    server = _start(server_checkpoint, tmp_path, "--max-num-seqs", "2", "--shutdown-timeout", "1")
+    # One sequence at a time: 8 streams of 240 tokens outlast half a second, whatever the machine's speed.
+    server = _start(server_checkpoint, tmp_path, "--max-num-seqs", "1", "--shutdown-timeout", "0.5")
     try:
-        outcomes, refused = asyncio.run(_drain_while_streaming(server, 2, 240))
-        assert outcomes == ["error", "error"] and refused == [503, 503]
+        outcomes, refused = asyncio.run(_drain_while_streaming(server, 8, 240))
+        assert set(outcomes) <= {"length", "error"} and outcomes.count("error") >= 4
+        assert refused == [503, 503]
         assert server.process.wait(timeout=30) == 0
     finally:
         stop_server(server)
