@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from strata.engine_args import EngineArgs
+from strata.engine_args import EngineArgs, byte_size
 from strata.errors import StrataError
 
 
@@ -25,6 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-local-media-path", default=None)
     serve.add_argument("--allow-remote-media", action="store_true")
     serve.add_argument("--disable-log-requests", action="store_true")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="answer 503 (with Retry-After) to new requests while this many wait (default: no bound)")
+    serve.add_argument("--max-request-bytes", type=byte_size, default=4 * 2**20,
+                       help="largest request body; bigger ones get 413 (default 4M)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds running requests get to finish before they are ended with an "
+                            "error (a second signal exits at once)")
     EngineArgs.add_cli_args(serve)
 
     bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -54,6 +61,8 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prefix-len", type=int, default=0, help="tokens (or words) of a shared prefix before each prompt")
+    p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (with --prefix-len)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--tokenizer", default=None, help="checkpoint folder whose tokenizer builds the prompts")
     p.add_argument("--seed", type=int, default=0)
@@ -66,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.verb == "serve" and args.node_rank > 0:
         return _run_headless(args)
     if args.verb == "serve":
-        from strata.server.app import run_server
+        from strata.server.lifecycle import run_server
 
         return run_server(args)
     if args.verb == "bench" and args.bench == "throughput":

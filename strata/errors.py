@@ -47,3 +47,16 @@ class EngineDeadError(StrataError):
 
     http_status = 503
     error_type = "ServiceUnavailableError"
+
+
+class OverloadedError(StrataError):
+    """The server refuses new work for now (its queue is full, or it is draining); retry after a while."""
+
+    http_status = 503
+    error_type = "ServiceUnavailableError"
+    retry_after_s = 1
+
+
+class RequestTooLargeError(StrataError):
+    http_status = 413
+    error_type = "RequestTooLargeError"

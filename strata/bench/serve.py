@@ -38,19 +38,29 @@ class RequestResult:
 
 
 def make_prompts(args: argparse.Namespace) -> list[tuple[str | list[int], int]]:
-    """(prompt, its length in tokens, 0 when unknown): token ids with --tokenizer, else random words."""
+    """(prompt, its length in tokens, 0 when unknown): token ids with --tokenizer, else random words. With
+    --prefix-len, each prompt starts with one of --num-prefixes shared prefixes (in random order), as many
+    users of a few system prompts do."""
     rng = random.Random(args.seed)
+    prefix_len, num_prefixes = getattr(args, "prefix_len", 0), getattr(args, "num_prefixes", 1)
     if args.tokenizer:
         from strata.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
         special = set(tokenizer.all_special_ids)
         vocab = [t for t in range(_vocab_size(args.tokenizer, tokenizer)) if t not in special]
-        prompts = [[rng.choice(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+        prefixes = [[rng.choice(vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+        prompts = [prefixes[i % num_prefixes] + [rng.choice(vocab) for _ in range(args.input_len)]
+                   for i in range(args.num_prompts)]
+        rng.shuffle(prompts)
         if "chat" in args.endpoint:  # chat takes text: send what the ids decode to
             return [(tokenizer.decode(p), 0) for p in prompts]
-        return [(p, args.input_len) for p in prompts]
-    return [(" ".join(rng.choice(_WORDS) for _ in range(args.input_len)), 0) for _ in range(args.num_prompts)]
+        return [(p, len(p)) for p in prompts]
+    prefixes = [" ".join(rng.choice(_WORDS) for _ in range(prefix_len)) for _ in range(num_prefixes)]
+    texts = [(prefixes[i % num_prefixes] + " " + " ".join(rng.choice(_WORDS) for _ in range(args.input_len))).strip()
+             for i in range(args.num_prompts)]
+    rng.shuffle(texts)
+    return [(t, 0) for t in texts]
 
 
 def _vocab_size(folder: str, tokenizer: Any) -> int:

@@ -83,6 +83,15 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def fail_all(self, error: StrataError) -> int:
+        """End every running request with `error` (each stream raises it, which aborts the request); returns
+        how many there were. A draining server calls this when its time is up."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver(request_id, error)
+        return len(request_ids)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()

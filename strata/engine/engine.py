@@ -169,6 +169,8 @@ class Engine:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
             group.num_cached_tokens = max(request.num_cached_tokens, 0)
+            if request.scheduled_time is not None and "queue_time" not in group.metrics:
+                group.metrics["queue_time"] = request.scheduled_time - request.arrival_time
         lps = result.logprobs.get(request.request_id)
         if seq.logprobs is not None and lps is not None:
             seq.logprobs.append(self.token_text.position(token, lps))

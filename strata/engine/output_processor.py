@@ -79,6 +79,7 @@ class RequestGroup:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] + [{}] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None)
         self.num_cached_tokens = 0
+        self.metrics: dict[str, float] = {}  # queue_time (s): arrival to first scheduled
 
     def child_params(self, index: int) -> SamplingParams:
         if self.params.n == 1:
@@ -100,4 +101,4 @@ class RequestGroup:
                    for s in self.sequences]
         prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
-                             prompt_logprobs, self.num_cached_tokens)
+                             prompt_logprobs, self.num_cached_tokens, dict(self.metrics))

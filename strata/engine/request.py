@@ -55,6 +55,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None  # first admission to the running batch
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -3,6 +3,7 @@ prefill chunks; recompute preemption when KV blocks run out."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from strata.config import SchedulerConfig
@@ -83,6 +84,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit
+                request.scheduled_time = time.monotonic()
             if self.slots is not None and request.state_slot < 0:
                 request.state_slot = self.slots.take()
             request.status = RequestStatus.RUNNING

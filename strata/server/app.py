@@ -1,12 +1,11 @@
-"""The FastAPI app (routes, API-key check, the one mapping of errors to HTTP) and `run_server` for `strata serve`."""
+"""The FastAPI app: routes (documented in /openapi.json with the models they really parse and answer), the
+API-key check and the one mapping of errors to HTTP. Running it (`strata serve`, drain) is in lifecycle.py."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import secrets
-import signal
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -18,18 +17,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata import __version__
 from strata.engine.async_engine import AsyncEngine
-from strata.engine_args import EngineArgs
 from strata.errors import AuthError, EngineDeadError, NotFoundError, RequestError, StrataError
+from strata.server.gate import Gate, GateMiddleware, error_headers
 from strata.server.metrics import ServerMetrics
+from strata.server.openapi import install_openapi, route_doc
 from strata.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
+    VersionResponse,
     error_body,
     validation_error,
 )
@@ -49,9 +55,9 @@ def error_response(exc: BaseException) -> Response:
     elif isinstance(exc, RequestValidationError):  # only if a route ever lets FastAPI parse its body
         exc = RequestError(f"invalid request: {exc.errors()}")
     status, body = error_body(exc)
-    if status >= 500:
+    if status >= 500 and status != 503:
         logger.error("request failed: %s", body.error.message)
-    return Response(body.model_dump_json(), status_code=status, media_type=_JSON)
+    return Response(body.model_dump_json(), status_code=status, media_type=_JSON, headers=error_headers(exc))
 
 
 async def _handle_error(_request: Request, exc: Exception) -> Response:
@@ -75,6 +81,8 @@ async def parse_body(request: Request, schema: type[_M]) -> _M:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}", param="body") from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply", param="body") from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object", param="body")
     try:
@@ -114,8 +122,9 @@ def _answer(result: BaseModel | AsyncIterator[str] | None) -> Response:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None) -> FastAPI:
-    """The HTTP app over a running engine; `args` are `strata serve`'s (api_key, disable_log_requests)."""
+def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate: Gate | None = None) -> FastAPI:
+    """The HTTP app over a running engine; `args` are `strata serve`'s (api_key, disable_log_requests,
+    max_waiting_requests, max_request_bytes); `gate` is shared with whoever drains the server."""
     config = engine.config
     names = list(config.served_model_names)
     metrics = ServerMetrics(engine, names[0])
@@ -125,73 +134,89 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None) -> Fa
                        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
                        allow_remote_media=getattr(args, "allow_remote_media", False))
 
-    app = FastAPI(title="strata", version=__version__)
-    app.state.engine, app.state.metrics = engine, metrics
+    app = FastAPI(title="strata", version=__version__,
+                  description="OpenAI-compatible API (with vLLM's extra fields) of one strata engine.")
+    gate = gate or Gate(getattr(args, "max_request_bytes", None), getattr(args, "max_waiting_requests", None))
+    gate.running = lambda: engine.stats()["running"]
+    app.add_middleware(GateMiddleware, gate=gate)
+    app.state.engine, app.state.metrics, app.state.gate = engine, metrics, gate
     for exc_type in (StrataError, StarletteHTTPException, RequestValidationError, Exception):
         app.add_exception_handler(exc_type, _handle_error)
     auth = [Depends(_api_key_check(getattr(args, "api_key", None)))]
     v1 = APIRouter(prefix="/v1", dependencies=auth)
 
-    @v1.get("/models")
+    @v1.get("/models", **route_doc(None, ModelList, auth=True))
     async def models() -> Response:
         cards = [ModelCard(id=name, root=config.model.path, max_model_len=config.model.max_model_len)
                  for name in names]
         return json_response(ModelList(data=cards))
 
-    @v1.post("/completions")
+    @v1.post("/completions", **route_doc(CompletionRequest, CompletionResponse, auth=True, stream=True))
     async def create_completion(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
         return _answer(await completions.create(body, _disconnect_waiter(request)))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", **route_doc(ChatCompletionRequest, ChatCompletionResponse, auth=True,
+                                              stream=True))
     async def create_chat_completion(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         return _answer(await chat.create(body, _disconnect_waiter(request)))
 
-    @app.post("/invocations", dependencies=auth)
+    @app.post("/invocations", dependencies=auth,
+              **route_doc(CompletionRequest | ChatCompletionRequest, CompletionResponse | ChatCompletionResponse,
+                          auth=True, stream=True))
     async def invocations(request: Request) -> Response:
         """SageMaker's entry point: a chat body goes to chat, a completion body to completions."""
         try:
             is_chat = "messages" in json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, RecursionError):
             is_chat = False  # the completions parser reports what is wrong with the body
         return await (create_chat_completion if is_chat else create_completion)(request)
 
     app.include_router(v1)
     _add_plain_routes(app, engine, metrics, chat)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+                    [CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ModelList, LoadResponse,
+                     VersionResponse, TokenizerInfo, TokenizeResponse, DetokenizeResponse])
     return app
 
 
 def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, chat: ChatServing) -> None:
-    """Health, version, metrics and tokenizer routes (outside /v1, as in vLLM: no API key)."""
+    """Health, load, version, metrics and tokenizer routes (outside /v1, as in vLLM: no API key)."""
     tokenizer, max_model_len = engine.tokenizer, engine.config.model.max_model_len
 
-    @app.get("/health")
+    @app.get("/health", **route_doc(None, None, errors=(503,)))
     async def health() -> Response:
+        """200 while the server takes requests; 503 once the engine died (or while draining, from the gate)."""
         if engine.is_dead:
             raise EngineDeadError(f"the engine is dead: {engine.dead_error}")
         return Response(status_code=200)
 
-    @app.get("/version")
-    async def version() -> Response:
-        return Response(json.dumps({"version": __version__}), media_type=_JSON)
+    @app.get("/get_load", **route_doc(None, LoadResponse, errors=()))
+    async def get_load() -> Response:
+        """Requests running plus waiting, for routers' power-of-two choice (vllm-router, SGLang's router)."""
+        stats = engine.stats()
+        return json_response(LoadResponse(load=stats["running"] + stats["waiting"]))
 
-    @app.get("/metrics")
+    @app.get("/version", **route_doc(None, VersionResponse, errors=()))
+    async def version() -> Response:
+        return json_response(VersionResponse(version=__version__))
+
+    @app.get("/metrics", **route_doc(None, "text/plain", errors=()))
     async def prometheus() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", **route_doc(None, TokenizerInfo, errors=()))
     async def tokenizer_info() -> Response:
-        info = {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
-                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
-                "unk_token": tokenizer.unk_token,
-                "chat_template": engine.config.chat_template or getattr(tokenizer, "chat_template", None),
-                "model_max_length": max_model_len, "vocab_size": engine.config.model.vocab_size}
-        return Response(json.dumps(info), media_type=_JSON)
+        return json_response(TokenizerInfo(
+            tokenizer_class=type(tokenizer).__name__, eos_token=tokenizer.eos_token,
+            bos_token=tokenizer.bos_token, pad_token=tokenizer.pad_token, unk_token=tokenizer.unk_token,
+            chat_template=engine.config.chat_template or getattr(tokenizer, "chat_template", None),
+            model_max_length=max_model_len, vocab_size=engine.config.model.vocab_size))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **route_doc(TokenizeRequest, TokenizeResponse))
     async def tokenize(request: Request) -> Response:
         body = await parse_body(request, TokenizeRequest)
         chat.check_model(body.model)
@@ -205,7 +230,7 @@ def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics,
         return json_response(TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids,
                                               token_strs=strs))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **route_doc(DetokenizeRequest, DetokenizeResponse))
     async def detokenize(request: Request) -> Response:
         body = await parse_body(request, DetokenizeRequest)
         chat.check_model(body.model)
@@ -214,67 +239,3 @@ def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics,
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
         return json_response(DetokenizeResponse(prompt=tokenizer.decode(body.tokens)))
-
-
-def _resolve_model(args: argparse.Namespace) -> tuple[str, list[str] | None]:
-    """The checkpoint folder and served names; no model means the built-in demo, served as `strata-demo`."""
-    model = args.model or getattr(args, "model_flag", None)
-    if args.model and getattr(args, "model_flag", None) and args.model != args.model_flag:
-        raise RequestError(f"two different models given: {args.model!r} and --model {args.model_flag!r}",
-                           param="model")
-    if model is not None:
-        return model, args.served_model_name
-    from strata.demo import DEMO_MODEL_NAME, demo_checkpoint_path
-
-    return str(demo_checkpoint_path()), args.served_model_name or [DEMO_MODEL_NAME]
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Build the engine, serve until interrupted; non-zero exit when the engine died."""
-    from strata.config import EngineConfig
-    from strata.tokenizer import read_chat_template
-
-    model, names = _resolve_model(args)
-    config = EngineConfig.from_args(EngineArgs.from_cli_args(args, model), served_model_name=names,
-                                    chat_template=read_chat_template(args.chat_template))
-    engine = AsyncEngine.from_config(config)
-    # SIGTERM ends the server like Ctrl-C does, so the engine (and its workers) always shut down.
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        asyncio.run(_serve(build_app(engine, args), engine, args))
-    except KeyboardInterrupt:
-        logger.info("interrupted; shutting down")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        engine.shutdown()
-    if engine.is_dead:
-        logger.error("the engine died: %s", engine.dead_error)
-        return 1
-    return 0
-
-
-async def _serve(app: FastAPI, engine: AsyncEngine, args: argparse.Namespace) -> None:
-    import uvicorn
-
-    level = str(getattr(args, "log_level", "INFO")).lower()
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
-                                           access_log=not args.disable_log_requests,
-                                           timeout_graceful_shutdown=5))
-    watchdog = asyncio.create_task(_watch(server, engine, args))
-    try:
-        await server.serve()
-    finally:
-        watchdog.cancel()
-
-
-async def _watch(server: Any, engine: AsyncEngine, args: argparse.Namespace) -> None:
-    """Announce the URL once listening; stop the server when the engine dies."""
-    while not server.started:
-        await asyncio.sleep(0.05)
-    names = ", ".join(engine.config.served_model_names)
-    logger.info("strata %s is serving %s at http://%s:%d/v1 (model %s)", __version__, names, args.host, args.port,
-                engine.config.model.path)
-    while not engine.is_dead:
-        await asyncio.sleep(0.5)
-    logger.error("the engine died (%s); stopping the server", engine.dead_error)
-    server.should_exit = True

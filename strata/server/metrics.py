@@ -1,4 +1,6 @@
-"""Prometheus metrics of one server (vLLM's names with a `strata:` prefix), in a registry of its own."""
+"""Prometheus metrics of one server, in a registry of its own: vLLM's metric names with a `strata:` prefix, and
+always also the families external schedulers read (Gateway API Inference Extension, llm-d, dashboards) under
+vLLM's own `vllm:` names, with vLLM's meanings, units and histogram buckets."""
 from __future__ import annotations
 
 import time
@@ -6,14 +8,26 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from strata.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0)
+# vLLM's buckets (v1 loggers), so that dashboards and SLO queries written for vLLM read the same.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                          20.0, 40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+# The families exported a second time under vLLM's names (the rest are strata's own).
+_VLLM_FAMILIES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config", "prefix_cache_queries",
+    "prefix_cache_hits", "num_preemptions", "request_success", "prompt_tokens", "generation_tokens",
+    "time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+    "request_generation_tokens"})
 
 
 class _EngineCollector(Collector):
@@ -48,6 +62,27 @@ class _EngineCollector(Collector):
                       stats.get("prefix_queries", 0))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.get("prefix_hits", 0))
         yield counter("num_preemptions", "Requests preempted (to be recomputed).", stats.get("num_preemptions", 0))
+        cache = self.engine.config.cache
+        info = InfoMetricFamily("strata:cache_config", "KV cache configuration.")
+        info.add_metric([], {"block_size": str(cache.block_size), "num_gpu_blocks": str(stats["total_blocks"]),
+                             "enable_prefix_caching": str(cache.enable_prefix_caching)})
+        yield info
+
+
+class _VllmNames(Collector):
+    """The `_VLLM_FAMILIES` of a registry again, renamed `strata:` -> `vllm:` (same values, read at scrape)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            if family.name.removeprefix("strata:") not in _VLLM_FAMILIES:
+                continue
+            renamed = Metric("vllm:" + family.name.removeprefix("strata:"), family.documentation, family.type,
+                             family.unit)
+            renamed.samples = [s._replace(name="vllm:" + s.name.removeprefix("strata:")) for s in family.samples]
+            yield renamed
 
 
 class ServerMetrics:
@@ -63,20 +98,26 @@ class ServerMetrics:
                                      registry=reg)
         self.generation_tokens = Counter("strata:generation_tokens", "Generated tokens.", name, registry=reg)
         self.ttft = Histogram("strata:time_to_first_token_seconds", "Time to the first generated token.", name,
-                              buckets=_LATENCY_BUCKETS, registry=reg)
+                              buckets=_TTFT_BUCKETS, registry=reg)
         self.itl = Histogram("strata:inter_token_latency_seconds", "Time between a request's engine outputs.",
-                             name, buckets=_LATENCY_BUCKETS, registry=reg)
+                             name, buckets=_TOKEN_LATENCY_BUCKETS, registry=reg)
+        self.tpot = Histogram("strata:time_per_output_token_seconds", "Time per output token after the first.",
+                              name, buckets=_TOKEN_LATENCY_BUCKETS, registry=reg)
         self.e2e = Histogram("strata:e2e_request_latency_seconds", "Arrival to last output.", name,
-                             buckets=_LATENCY_BUCKETS, registry=reg)
+                             buckets=_REQUEST_LATENCY_BUCKETS, registry=reg)
+        self.queue_time = Histogram("strata:request_queue_time_seconds", "Time waiting before first scheduled.",
+                                    name, buckets=_REQUEST_LATENCY_BUCKETS, registry=reg)
         self.request_prompt_tokens = Histogram("strata:request_prompt_tokens", "Prompt tokens per request.", name,
                                                buckets=_TOKEN_BUCKETS, registry=reg)
         self.request_generation_tokens = Histogram("strata:request_generation_tokens",
                                                    "Generated tokens per request.", name,
                                                    buckets=_TOKEN_BUCKETS, registry=reg)
         self.registry.register(_EngineCollector(engine, model_name))
+        self.vllm_registry = CollectorRegistry()
+        self.vllm_registry.register(_VllmNames(self.registry))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry)
 
     async def track(self, stream: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
         """Pass outputs through while timing them; counts the request however it ends."""
@@ -92,6 +133,9 @@ class ServerMetrics:
                         self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
                     else:
                         self.itl.labels(self.model_name).observe(now - last_time)
+                        per_token = (now - last_time) / (total - num_tokens)
+                        for _ in range(total - num_tokens):
+                            self.tpot.labels(self.model_name).observe(per_token)
                     self.generation_tokens.labels(self.model_name).inc(total - num_tokens)
                     last_time, num_tokens = now, total
                 final = out
@@ -111,4 +155,6 @@ class ServerMetrics:
             self.request_success.labels(name, seq.finish_reason or default_reason).inc()
             self.request_generation_tokens.labels(name).observe(len(seq.token_ids))
         self.request_prompt_tokens.labels(name).observe(len(final.prompt_token_ids))
+        if "queue_time" in final.metrics:
+            self.queue_time.labels(name).observe(final.metrics["queue_time"])
         self.e2e.labels(name).observe(time.monotonic() - arrival)

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strata.errors import RequestError, StrataError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Counts beyond int64 are nonsense (and overflow tensors): 400. Large ones inside it are clamped (max_tokens) or
+# checked against the engine (n) by serving.
+MAX_STOP_STRINGS = 256
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -17,8 +21,9 @@ def random_id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI and vLLM do; serving logs their names.
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are accepted and ignored, as OpenAI and vLLM do; serving logs their names. NaN and infinity
+    # (which Python's JSON reader accepts) are refused.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -30,18 +35,18 @@ class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -57,7 +62,7 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     # list[int] first: smart-mode unions then keep token ids as ints.
     prompt: list[int] | list[list[int]] | str | list[str]
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -82,8 +87,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
@@ -243,6 +248,25 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class LoadResponse(BaseModel):
+    load: int = Field(description="requests running plus waiting")
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
+    vocab_size: int
 
 
 class ErrorInfo(BaseModel):

@@ -58,8 +58,12 @@ class Serving:
     def check_common(self, req: SamplingFields) -> None:
         if self.engine.is_dead:
             raise EngineDeadError(f"the engine is dead: {self.engine.dead_error}")
-        if req.model_extra:
-            logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
+        if req.model_extra:  # as vLLM: routers and SDKs add fields of their own
+            logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
+        max_n = self.engine.config.scheduler.max_num_seqs
+        if req.n > max_n:
+            raise RequestError(f"n={req.n} is more than the server runs at once (--max-num-seqs {max_n})",
+                               param="n")
         if req.stream_options is not None and not req.stream:
             raise RequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
         if req.prompt_logprobs is not None and req.stream:

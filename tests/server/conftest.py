@@ -59,8 +59,8 @@ def _die_with_parent() -> None:
         _LIBC.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def start_server(checkpoint: Path, log: Path, *extra: str) -> Server:
-    port = free_port()
+def start_server(checkpoint: Path, log: Path, *extra: str, port: int | None = None) -> Server:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "strata", "serve", str(checkpoint), "--port", str(port), *extra]
     with open(log, "w") as out:
         # A session of its own, so the whole process group can be ended without touching pytest.

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -15,7 +16,8 @@ from strata.config import EngineConfig
 from strata.engine.async_engine import AsyncEngine
 from strata.errors import RequestError
 from strata.multimodal.chat import parse_message_content
-from strata.server.app import _resolve_model, _watch, build_app
+from strata.server.app import build_app
+from strata.server.lifecycle import _resolve_model, _watch
 from strata.server.metrics import ServerMetrics
 from strata.server.protocol import ChatMessage
 
@@ -119,3 +121,55 @@ def test_text_parts_are_joined_and_images_refused_for_text_models():
         parse_message_content([m.model_dump(exclude_none=True) for m in image], parts_format=False,
                               multimodal=False)
     assert caught.value.param == "messages.0.content.0"
+
+
+async def _post_raw(app, path: str, content: bytes) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        return await c.post(path, content=content, headers={"content-type": "application/json"})
+
+
+def test_bad_input_gets_400_or_413_quickly(engine):
+    app = build_app(engine, argparse.Namespace(api_key=None, disable_log_requests=True, max_request_bytes=1 << 16))
+    ok = {"prompt": "hi", "max_tokens": 2}
+    cases = {
+        "nested": b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+        "not utf-8": b'{"prompt": "\xff\xfe"}',
+        "huge n": json.dumps({**ok, "n": 10**9}).encode(),
+        "huge max_tokens": json.dumps({**ok, "max_tokens": 10**30}).encode(),
+        "NaN temperature": b'{"prompt": "hi", "temperature": NaN}',
+        "logit_bias ids": json.dumps({**ok, "logit_bias": {"99999999": 1.0, "x": 2}}).encode(),
+        "many stops": json.dumps({**ok, "stop": [f"s{i}" for i in range(5000)]}).encode(),
+    }
+    began = time.monotonic()
+    for name, content in cases.items():
+        response = asyncio.run(_post_raw(app, "/v1/completions", content))
+        assert response.status_code == 400, (name, response.text)
+        assert response.json()["error"]["code"] == 400
+    too_big = asyncio.run(_post_raw(app, "/v1/completions", json.dumps({"prompt": "x" * (1 << 17)}).encode()))
+    assert too_big.status_code == 413 and too_big.json()["error"]["type"] == "RequestTooLargeError"
+    assert time.monotonic() - began < 10
+
+
+def test_unknown_fields_are_ignored_and_known_ones_still_validated(engine):
+    app = build_app(engine)
+    vllm_router_extras = {"skip_special_tokens": True, "ignore_eos": False, "no_stop_trim": False,
+                          "some_future_field": {"x": 1}}
+    response = asyncio.run(_post(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, **vllm_router_extras}))
+    assert response.status_code == 200
+    bad = asyncio.run(_post(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": "many", "no_stop_trim": 1}))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_openapi_describes_request_and_response_bodies_and_errors(engine):
+    schema = asyncio.run(_get(build_app(engine), "/openapi.json")).json()
+    post = schema["paths"]["/v1/chat/completions"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionRequest"}
+    assert set(post["responses"]) == {"200", "400", "401", "404", "413", "503"}
+    assert post["responses"]["503"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    components = schema["components"]["schemas"]
+    assert {"messages", "max_completion_tokens", "top_k", "ignore_eos"} <= set(
+        components["ChatCompletionRequest"]["properties"])
+    assert set(components["ErrorInfo"]["properties"]) == {"message", "type", "param", "code"}
+    assert schema["paths"]["/get_load"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/LoadResponse"}
