@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from strata.bench.throughput import add_throughput_args
 from strata.engine_args import EngineArgs, byte_size
 from strata.errors import StrataError
 
@@ -35,15 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(serve)
 
     bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    throughput = bench.add_parser("throughput", help="offline throughput on random prompts")
-    throughput.add_argument("--model", required=True)
-    throughput.add_argument("--input-len", type=int, default=128)
-    throughput.add_argument("--output-len", type=int, default=128)
-    throughput.add_argument("--num-prompts", type=int, default=64)
-    throughput.add_argument("--output-json", default=None)
-    throughput.add_argument("--backend", default="strata", choices=["strata", "hf"],
-                            help="hf: transformers generate() with one static batch, as a baseline")
-    EngineArgs.add_cli_args(throughput)
+    add_throughput_args(bench.add_parser("throughput", help="offline throughput on random prompts"))
     bench_serve = bench.add_parser("serve", help="online serving benchmark against any OpenAI-compatible server")
     _add_bench_serve_args(bench_serve)
 

@@ -149,11 +149,13 @@ def section_gpu_tests(ctx: Context) -> dict:
 
 def _throughput_args(ctx: Context, path: str) -> argparse.Namespace:
     """The flags of `strata bench throughput` for this model, parsed by strata's own parser."""
-    from strata.cli import build_parser
+    from strata.bench.throughput import add_throughput_args
 
     work, out = ctx.work, ctx.workdir / f"throughput-{Path(path).name}.json"
-    return build_parser().parse_args([
-        "bench", "throughput", "--model", path, "--input-len", str(work.input_len), "--output-len",
+    parser = argparse.ArgumentParser()
+    add_throughput_args(parser)
+    return parser.parse_args([
+        "--model", path, "--input-len", str(work.input_len), "--output-len",
         str(work.output_len), "--num-prompts", str(work.num_prompts), "--dtype", ctx.args.dtype, "--device",
         ctx.args.device, "--seed", str(ctx.args.seed), "--output-json", str(out), "--max-model-len",
         str(work.input_len + work.output_len)])

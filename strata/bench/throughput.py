@@ -8,10 +8,22 @@ import random
 import sys
 import time
 
-from strata.engine_args import engine_kwargs
+from strata.engine_args import EngineArgs, engine_kwargs
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `strata bench throughput`: the workload, then every engine option."""
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--backend", default="strata", choices=["strata", "hf"],
+                        help="hf: transformers generate() with one static batch, as a baseline")
+    EngineArgs.add_cli_args(parser)
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int = 0,
