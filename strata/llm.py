@@ -70,6 +70,11 @@ class LLM:
                     if out.finished:
                         finals[out.request_id] = out
                         bar.update(1)
+                failures = self.engine.take_failures()
+                if failures:
+                    for request_id in ids:
+                        self.engine.abort_request(request_id)
+                    raise failures[0][1]
         return [finals[i] for i in ids]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

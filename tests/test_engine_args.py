@@ -20,6 +20,7 @@ NON_DEFAULTS = {
     "block_size": (32, "32"), "enable_prefix_caching": (False, None), "mamba_ssm_cache_dtype": ("auto", "auto"),
     "quantization": ("experts_int8", "experts_int8"), "seed": (5, "5"), "device": ("cpu", "cpu"),
     "nnodes": (2, "2"), "node_rank": (1, "1"), "master_addr": ("10.0.0.1", "10.0.0.1"), "master_port": (29500, "29500"),
+    "structured_outputs_timeout": (2.5, "2.5"), "structured_outputs_max_whitespace": (-1, "-1"),
 }
 VERBS = {"serve": ["serve", "m"], "bench throughput": ["bench", "throughput", "--model", "m"], "plan": ["plan", "m"]}
 

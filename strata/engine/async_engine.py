@@ -121,6 +121,8 @@ class AsyncEngine:
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                for request_id, error in self.engine.take_failures():
+                    self._deliver(request_id, error)
                 if time.monotonic() - last_log > _STATS_INTERVAL_S:
                     last_log = time.monotonic()
                     s = self.stats()
