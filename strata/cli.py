@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-local-media-path", default=None)
     serve.add_argument("--allow-remote-media", action="store_true")
     serve.add_argument("--disable-log-requests", action="store_true")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let chat requests use tool_choice "auto" (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", default=None, choices=["llama3_json", "llama4_pythonic", "hermes"],
+                       help="how tool calls are found in model output: llama3_json (Llama 3.1/3.2), "
+                            "llama4_pythonic (Llama 4), hermes (Qwen, Hermes)")
     EngineArgs.add_cli_args(serve)
 
     bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -45,12 +46,14 @@ class Engine:
             self.stop_token_ids.add(self.tokenizer.eos_token_id)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self._grammar_state: GrammarState | None = None  # made on the first constrained request
+        self._grammar_lock = threading.Lock()
         self.failures: list[tuple[str, StrataError]] = []  # requests that failed after add_request returned
 
     @property
     def grammars(self) -> GrammarState:
-        if self._grammar_state is None:
-            self._grammar_state = GrammarState(self.config, self.tokenizer, self.stop_token_ids)
+        with self._grammar_lock:  # the server's threads may ask first
+            if self._grammar_state is None:
+                self._grammar_state = GrammarState(self.config, self.tokenizer, self.stop_token_ids)
         return self._grammar_state
 
     @property
