@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 
-from strata.server.tool_parsers import ParsedCall, leftover
+from strata.server.tool_parsers.base import ParsedCall, leftover
 
 # A final block may be cut off before its closing tag (max_tokens, or a stop string on it).
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)

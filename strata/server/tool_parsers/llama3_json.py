@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from strata.server.tool_parsers import ParsedCall, leftover
+from strata.server.tool_parsers.base import ParsedCall, leftover
 
 _DECODER = json.JSONDecoder()
 

@@ -6,7 +6,7 @@ import ast
 import json
 import re
 
-from strata.server.tool_parsers import ParsedCall, leftover
+from strata.server.tool_parsers.base import ParsedCall, leftover
 
 _START = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 
