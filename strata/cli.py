@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--output-len", type=int, default=128)
     throughput.add_argument("--num-prompts", type=int, default=64)
     throughput.add_argument("--output-json", default=None)
+    throughput.add_argument("--json-schema", default=None,
+                            help="run every prompt under this JSON schema: 'default' (lists of 20-property "
+                                 "records), a file or inline JSON")
     throughput.add_argument("--backend", default="strata", choices=["strata", "hf"],
                             help="hf: transformers generate() with one static batch, as a baseline")
     EngineArgs.add_cli_args(throughput)

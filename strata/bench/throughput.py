@@ -7,9 +7,10 @@ import logging
 import random
 import sys
 import time
+from pathlib import Path
 
 from strata.engine_args import engine_kwargs
-from strata.sampling_params import SamplingParams
+from strata.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +30,73 @@ def _bench_strata(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[f
     warm = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2), use_tqdm=False)
     load_to_first_token = time.perf_counter() - started
     assert warm[0].finished
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
+    schema = _json_schema(getattr(args, "json_schema", None))
+    constraint = None if schema is None else StructuredOutputsParams(json=schema)
+    if constraint is not None:
+        sys.stdout.write(structured_figures(llm, constraint, prompts))
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True,
+                            structured_outputs=constraint)
     started = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    if produced != args.output_len * len(prompts):
+    # Under a schema an output may end before output_len (its JSON is complete); throughput counts what came.
+    if produced != args.output_len * len(prompts) and constraint is None:
         raise RuntimeError(f"expected {args.output_len * len(prompts)} output tokens, got {produced}")
+    if constraint is not None:
+        filler = llm.engine.grammars.filler
+        sys.stdout.write(f"Constrained run: {produced} output tokens; bitmask fill {1e3 * filler.mean_fill_s:.2f} ms "
+                         f"per step on average, {filler.max_rows} rows at most\n")
     llm.shutdown()
+    args.produced_tokens = produced
     return elapsed, load_to_first_token
+
+
+# Every prompt's default schema: at least 20 records of 20 properties, so every output runs to output_len.
+DEFAULT_SCHEMA = {"type": "array", "minItems": 20, "items": {
+    "type": "object", "required": [f"f{i}" for i in range(20)],
+    "properties": {f"f{i}": [{"type": "integer"}, {"type": "string", "maxLength": 12}, {"type": "boolean"},
+                             {"enum": ["red", "green", "blue"]}][i % 4] for i in range(20)}}}
+
+
+def _json_schema(value: str | None) -> dict | None:
+    """--json-schema: 'default', a JSON file or inline JSON."""
+    if value is None:
+        return None
+    if value == "default":
+        return DEFAULT_SCHEMA
+    text = Path(value).read_text() if Path(value).is_file() else value
+    return json.loads(text)
+
+
+def structured_figures(llm, constraint: StructuredOutputsParams, prompts: list[list[int]]) -> str:
+    """First and cached compile time of the schema, and the time to first token of a request under a schema
+    compiled for it while 64 unconstrained requests run."""
+    compiler = llm.engine.grammars.compiler
+    compiler.compile(StructuredOutputsParams(regex="warm"))  # the tokenizer info is built once per engine
+    started = time.perf_counter()
+    compiler.compile(constraint)
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    compiler.compile(constraint)
+    cached = time.perf_counter() - started
+    engine = llm.engine
+    busy = SamplingParams(max_tokens=64, ignore_eos=True)
+    for i in range(64):
+        engine.add_request(f"busy-{i}", {"prompt_token_ids": prompts[i % len(prompts)]}, busy)
+    for _ in range(3):
+        engine.step()
+    fresh = StructuredOutputsParams(json={**DEFAULT_SCHEMA, "minItems": 1})  # not compiled yet
+    started = time.perf_counter()
+    probe = SamplingParams(max_tokens=4, structured_outputs=fresh)
+    engine.add_request("probe", {"prompt_token_ids": prompts[0]}, probe)
+    ttft = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "probe" and ttft is None and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - started
+    return (f"Schema compile: first {1e3 * first:.1f} ms, cached {1e3 * cached:.3f} ms\n"
+            f"Time to first token of a request under a new schema while 64 others run: {1e3 * ttft:.0f} ms\n")
 
 
 def _bench_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, float]:
@@ -67,8 +126,8 @@ def run_throughput(args: argparse.Namespace) -> int:
                              avoid=model.eos_token_ids)
     backend = getattr(args, "backend", "strata")
     elapsed, load = (_bench_hf if backend == "hf" else _bench_strata)(args, prompts)
-    total = args.num_prompts * (args.input_len + args.output_len)
-    output = args.num_prompts * args.output_len
+    output = getattr(args, "produced_tokens", args.num_prompts * args.output_len)
+    total = args.num_prompts * args.input_len + output
     result = {"backend": backend, "elapsed_time": elapsed, "num_requests": args.num_prompts,
               "total_num_tokens": total, "requests_per_second": args.num_prompts / elapsed,
               "tokens_per_second": total / elapsed, "output_tokens_per_second": output / elapsed,

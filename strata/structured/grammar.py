@@ -129,13 +129,19 @@ class BitmaskFiller:
         self.vocab_size = vocab_size
         self._batch = xgr.BatchGrammarMatcher(max_threads=2)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-bitmask")
-        self.last_fill_s = 0.0
+        self.total_fill_s, self.num_fills, self.max_rows = 0.0, 0, 0
+
+    @property
+    def mean_fill_s(self) -> float:
+        return self.total_fill_s / max(self.num_fills, 1)
 
     def fill(self, matchers: list[xgr.GrammarMatcher]) -> torch.Tensor:
         started = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-        self.last_fill_s = time.perf_counter() - started
+        self.total_fill_s += time.perf_counter() - started
+        self.num_fills += 1
+        self.max_rows = max(self.max_rows, len(matchers))
         return bitmask
 
     def fill_async(self, matchers: list[xgr.GrammarMatcher]) -> Future[torch.Tensor]:

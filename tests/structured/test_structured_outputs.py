@@ -162,3 +162,15 @@ def test_a_grammar_compiles_once_and_is_then_served_from_the_cache(llm):
     first = compiler.submit(StructuredOutputsParams(json=schema))
     first.result()
     assert compiler.submit(StructuredOutputsParams(json=dict(reversed(schema.items())))) is first
+
+
+def test_llm_chat_hands_tools_to_the_chat_template(llama_gqa):
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with LLM(str(llama_gqa)) as llm:
+        with_tools = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                              chat_template=template, tools=tools)[0]
+        without = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                           chat_template=template)[0]
+    assert with_tools.prompt == "hi[get_weather]" and without.prompt == "hi"
