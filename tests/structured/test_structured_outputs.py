@@ -174,3 +174,16 @@ def test_llm_chat_hands_tools_to_the_chat_template(llama_gqa):
         without = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
                            chat_template=template)[0]
     assert with_tools.prompt == "hi[get_weather]" and without.prompt == "hi"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}])
+def test_constrained_tokens_are_the_same_under_tp_and_pp(llama_gqa, llm, layout):
+    # The bitmask is filled in the engine process and travels with the step to the rank that samples.
+    params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=s))
+              for s in SCHEMAS.values()]
+    prompts = ["Hello"] * len(params)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(llama_gqa), max_model_len=512, kv_cache_memory=4 << 20, **layout) as other:
+        got = [o.outputs[0].token_ids for o in other.generate(prompts, params, use_tqdm=False)]
+    assert got == want
