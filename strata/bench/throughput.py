@@ -8,6 +8,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from strata.engine_args import engine_kwargs
 from strata.sampling_params import SamplingParams, StructuredOutputsParams
@@ -31,25 +32,35 @@ def _bench_strata(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[f
     load_to_first_token = time.perf_counter() - started
     assert warm[0].finished
     schema = _json_schema(getattr(args, "json_schema", None))
-    constraint = None if schema is None else StructuredOutputsParams(json=schema)
-    if constraint is not None:
-        sys.stdout.write(structured_figures(llm, constraint, prompts))
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True,
+    if schema is None:
+        elapsed, _ = _timed_run(llm, prompts, args.output_len, None)
+        llm.shutdown()
+        return elapsed, load_to_first_token
+    constraint = StructuredOutputsParams(json=schema)
+    sys.stdout.write(structured_figures(llm, constraint, prompts))  # also warms every batch shape up
+    plain, _ = _timed_run(llm, prompts, args.output_len, None)
+    elapsed, _ = _timed_run(llm, prompts, args.output_len, constraint)
+    filler = llm.engine.grammars.filler
+    sys.stdout.write(f"Unconstrained run in the same engine: {plain:.2f} s; constrained: {elapsed:.2f} s "
+                     f"({plain / elapsed:.2f}x the unconstrained throughput); bitmask fill "
+                     f"{1e3 * filler.mean_fill_s:.2f} ms per step on average, {filler.max_rows} rows at most\n")
+    args.unconstrained_elapsed = plain
+    llm.shutdown()
+    return elapsed, load_to_first_token
+
+
+def _timed_run(llm: Any, prompts: list[list[int]], output_len: int, constraint: StructuredOutputsParams | None
+               ) -> tuple[float, int]:
+    """Seconds for every prompt to produce output_len tokens (each under `constraint` when given)."""
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True,
                             structured_outputs=constraint)
     started = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    # Under a schema an output may end before output_len (its JSON is complete); throughput counts what came.
-    if produced != args.output_len * len(prompts) and constraint is None:
-        raise RuntimeError(f"expected {args.output_len * len(prompts)} output tokens, got {produced}")
-    if constraint is not None:
-        filler = llm.engine.grammars.filler
-        sys.stdout.write(f"Constrained run: {produced} output tokens; bitmask fill {1e3 * filler.mean_fill_s:.2f} ms "
-                         f"per step on average, {filler.max_rows} rows at most\n")
-    llm.shutdown()
-    args.produced_tokens = produced
-    return elapsed, load_to_first_token
+    if produced != output_len * len(prompts):  # a schema that lets JSON end early would compare unlike work
+        raise RuntimeError(f"expected {output_len * len(prompts)} output tokens, got {produced}")
+    return elapsed, produced
 
 
 # Every prompt's default schema: at least 20 records of 20 properties, so every output runs to output_len.
@@ -69,7 +80,7 @@ def _json_schema(value: str | None) -> dict | None:
     return json.loads(text)
 
 
-def structured_figures(llm, constraint: StructuredOutputsParams, prompts: list[list[int]]) -> str:
+def structured_figures(llm: Any, constraint: StructuredOutputsParams, prompts: list[list[int]]) -> str:
     """First and cached compile time of the schema, and the time to first token of a request under a schema
     compiled for it while 64 unconstrained requests run."""
     compiler = llm.engine.grammars.compiler
@@ -84,8 +95,9 @@ def structured_figures(llm, constraint: StructuredOutputsParams, prompts: list[l
     busy = SamplingParams(max_tokens=64, ignore_eos=True)
     for i in range(64):
         engine.add_request(f"busy-{i}", {"prompt_token_ids": prompts[i % len(prompts)]}, busy)
-    for _ in range(3):
-        engine.step()
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()  # every prompt prefilled: the 64 are decoding
     fresh = StructuredOutputsParams(json={**DEFAULT_SCHEMA, "minItems": 1})  # not compiled yet
     started = time.perf_counter()
     probe = SamplingParams(max_tokens=4, structured_outputs=fresh)
@@ -126,12 +138,15 @@ def run_throughput(args: argparse.Namespace) -> int:
                              avoid=model.eos_token_ids)
     backend = getattr(args, "backend", "strata")
     elapsed, load = (_bench_hf if backend == "hf" else _bench_strata)(args, prompts)
-    output = getattr(args, "produced_tokens", args.num_prompts * args.output_len)
-    total = args.num_prompts * args.input_len + output
+    total = args.num_prompts * (args.input_len + args.output_len)
+    output = args.num_prompts * args.output_len
     result = {"backend": backend, "elapsed_time": elapsed, "num_requests": args.num_prompts,
               "total_num_tokens": total, "requests_per_second": args.num_prompts / elapsed,
               "tokens_per_second": total / elapsed, "output_tokens_per_second": output / elapsed,
               "load_to_first_token_s": load}
+    if getattr(args, "unconstrained_elapsed", None):
+        result["unconstrained_elapsed_time"] = args.unconstrained_elapsed
+        result["constrained_to_unconstrained_throughput"] = args.unconstrained_elapsed / elapsed
     sys.stdout.write(f"Throughput: {args.num_prompts / elapsed:.2f} requests/s, {total / elapsed:.2f} total "
                      f"tokens/s, {output / elapsed:.2f} output tokens/s\n"
                      f"Model load to first token: {load:.2f} s ({backend})\n")

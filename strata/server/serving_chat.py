@@ -150,9 +150,9 @@ class ChatServing(Serving):
                 if done[j] or (len(seq.token_ids) == sent_tokens[j] and not finished):
                     continue
                 new_ids = seq.token_ids[sent_tokens[j]:]
-                deltas, calls = _deltas(job.tools, seq, sent_text[j], finished, tool_ids[j])
+                deltas, calls, streamed = _deltas(job.tools, seq, sent_text[j], finished, tool_ids[j])
                 logprobs = self._logprobs(job, new_ids, seq, sent_tokens[j])
-                sent_tokens[j], sent_text[j], done[j] = len(seq.token_ids), len(seq.text), finished
+                sent_tokens[j], sent_text[j], done[j] = len(seq.token_ids), streamed, finished
                 for k, delta in enumerate(deltas):  # the last carries the finish reason
                     last = k == len(deltas) - 1
                     yield chunk(ChatStreamChoice(
@@ -168,29 +168,37 @@ def _finish_reason(reason: str | None, calls: list[ParsedCall]) -> str | None:
 
 
 def _deltas(tools: ToolPlan, seq: CompletionOutput, sent: int, finished: bool, named_id: str
-            ) -> tuple[list[DeltaMessage], list[ParsedCall]]:
-    """One choice's next deltas (at least one), and the calls it completes. A named call streams its arguments
-    as they come (the output is the arguments); required and auto calls are parsed from the whole output, so
-    they go out at the end: per call one delta with index, id and name, then one with its arguments."""
-    new_text = seq.text[sent:]
+            ) -> tuple[list[DeltaMessage], list[ParsedCall], int]:
+    """One choice's next deltas (at least one), the calls it completes, and how much of the text is sent now.
+
+    A named call streams its arguments as they come (the output is the arguments). Auto streams content up to
+    where a call may begin; required and auto calls are parsed from the whole output, so they go out at the end:
+    per call one delta with index, id and name, then one with its arguments."""
+    text = seq.text
     if tools.mode == "none":
-        return [DeltaMessage(content=new_text)], []
+        return [DeltaMessage(content=text[sent:])], [], len(text)
     if tools.mode == "named":
         head = {"id": named_id, "type": "function"} if sent == 0 else {}
         name = tools.name if sent == 0 else None
-        fragment = DeltaToolCall(index=0, **head, function=FunctionCall(name=name, arguments=new_text))
-        calls = [ParsedCall(tools.name, seq.text)] if finished else []
-        return [DeltaMessage(tool_calls=[fragment] if new_text or sent == 0 else None)], calls
+        fragment = DeltaToolCall(index=0, **head, function=FunctionCall(name=name, arguments=text[sent:]))
+        calls = [ParsedCall(tools.name, text)] if finished else []
+        return [DeltaMessage(tool_calls=[fragment] if text[sent:] or sent == 0 else None)], calls, len(text)
     if not finished:
-        return [DeltaMessage()], []
-    content, calls = tools.calls(seq.text)
-    deltas = [DeltaMessage(content=content)]
+        safe = max(tools.streamable(text), sent) if tools.mode == "auto" else sent
+        return [DeltaMessage(content=text[sent:safe] or None)], [], safe
+    content, calls = tools.calls(text)
+    if not calls:
+        return [DeltaMessage(content=text[sent:])], [], len(text)
+    # Content outside the calls that was not streamed yet (what streamed is its start, up to whitespace).
+    streamed = text[:sent].strip()
+    rest = content[len(streamed):] if content and content.startswith(streamed) else None
+    deltas = [DeltaMessage(content=rest or None)]
     for i, call in enumerate(calls):
         deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=tool_call_id(), type="function",
                                                              function=FunctionCall(name=call.name, arguments=""))]))
         deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, function=FunctionCall(
             arguments=call.arguments))]))
-    return deltas, calls
+    return deltas, calls, len(text)
 
 
 def _chunk(job: _ChatJob, choices: list[ChatStreamChoice], chunk_usage: UsageInfo | None) -> ChatCompletionChunk:

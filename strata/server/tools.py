@@ -9,7 +9,7 @@ from typing import Any
 
 from strata.errors import RequestError
 from strata.sampling_params import StructuredOutputsParams
-from strata.server.tool_parsers import ParsedCall, ToolParser, leftover, tool_parsers
+from strata.server.tool_parsers import ParsedCall, ToolParser, leftover, tool_call_markers, tool_parsers
 from strata.structured.json_schema import load_schema
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -23,6 +23,20 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None = None
     name: str | None = None  # the named function
     parser: ToolParser | None = None
+    markers: tuple[str, ...] = ()  # auto: where a call may begin in the text
+
+    def streamable(self, text: str) -> int:
+        """Auto: how much of the text can stream as content, being before any (possibly partial) call marker."""
+        end = len(text)
+        for marker in self.markers:
+            found = text.find(marker)
+            if found >= 0:
+                end = min(end, found)
+            for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a marker cut off at the end
+                if text.endswith(marker[:k]):
+                    end = min(end, len(text) - k)
+                    break
+        return end
 
     def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """The content and calls of a finished output."""
@@ -78,7 +92,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         if auto_parser is None:
             raise RequestError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
                                "--tool-call-parser", param="tool_choice")
-        return ToolPlan("auto", parser=tool_parsers()[auto_parser])
+        return ToolPlan("auto", parser=tool_parsers()[auto_parser], markers=tool_call_markers(auto_parser))
     if tool_choice == "required":
         return ToolPlan("required", StructuredOutputsParams(json=required_schema(schemas)))
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None

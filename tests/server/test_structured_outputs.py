@@ -125,26 +125,39 @@ def test_tool_history_reaches_the_chat_template(client):
     assert out.choices[0].message.content is not None
 
 
-@pytest.fixture(scope="module")
-def hermes_client(server_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("hermes_log") / "server.log"
+# What each family writes, forced on the tiny model by a regex: the parser must find the call in it.
+FORMATS = {
+    "hermes": r'Sure\. <tool_call>\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}</tool_call>',
+    "llama3_json": r'Sure\. <\|python_tag\|>\{"name": "add", "parameters": \{"a": [0-9], "b": [0-9]\}\}',
+    "llama4_pythonic": r"Sure\. \[add\(a=[0-9], b=[0-9]\)\]",
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def auto_server(request, server_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("auto_log") / "server.log"
     srv = start_server(server_checkpoint, log, "--max-model-len", "256", "--served-model-name", MODEL, "--api-key",
-                       API_KEY, "--kv-cache-memory", "4M", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+                       API_KEY, "--kv-cache-memory", "4M", "--enable-auto-tool-choice", "--tool-call-parser",
+                       request.param)
+    yield request.param, openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     assert stop_server(srv) == 0
 
 
-def test_auto_tool_choice_parses_hermes_calls_out_of_model_text(hermes_client):
-    # The tiny model writes the hermes format because a regex makes it; the parser must find the call in it.
-    form = r'Sure\. <tool_call>\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}</tool_call>'
-    kw = {"tools": TOOLS, "tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": form}}}
-    whole = chat(hermes_client, **kw)
+@pytest.mark.slow
+def test_auto_tool_choice_parses_each_family_format_out_of_model_text(auto_server):
+    parser, client = auto_server
+    kw = {"tools": TOOLS, "tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": FORMATS[parser]}}}
+    whole = chat(client, **kw)
     message = whole.choices[0].message
     assert message.content == "Sure." and whole.choices[0].finish_reason == "tool_calls"
     (call,) = message.tool_calls
-    assert call.function.name == "add"
+    assert call.function.name == "add" and call.id.startswith("chatcmpl-tool-")
     jsonschema.validate(json.loads(call.function.arguments), ADD)
-    streamed, finish = reassemble(chat(hermes_client, stream=True, **kw))
+    chunks = list(chat(client, stream=True, **kw))
+    streamed, finish = reassemble(chunks)
     assert [(c["name"], c["arguments"]) for c in streamed] == [("add", call.function.arguments)]
-    plain = chat(hermes_client, tools=TOOLS, max_tokens=5)
-    assert plain.choices[0].message.tool_calls == [] and plain.choices[0].finish_reason in ("stop", "length")
+    assert finish == "tool_calls"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content.strip() == "Sure."  # streamed before the call began, the call's text held back
+    plain = chat(client, tools=TOOLS, max_tokens=20, extra_body={"structured_outputs": {"regex": "plain words"}})
+    assert plain.choices[0].message.tool_calls == [] and plain.choices[0].message.content == "plain words"

@@ -7,6 +7,7 @@ import re
 from strata.server.tool_parsers.base import ParsedCall, leftover
 
 # A final block may be cut off before its closing tag (max_tokens, or a stop string on it).
+MARKERS = ("<tool_call>",)  # where calls may begin: text from there on is held back while streaming
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -24,6 +25,6 @@ def parse(text: str) -> tuple[str | None, list[ParsedCall]]:
         kept.append(text[last:match.start()])
         last = match.end()
     if not calls:
-        return leftover(text), []
+        return text, []
     kept.append(text[last:])
     return leftover("".join(kept)), calls

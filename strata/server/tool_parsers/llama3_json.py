@@ -6,11 +6,12 @@ import json
 
 from strata.server.tool_parsers.base import ParsedCall, leftover
 
+MARKERS = ("<|python_tag|>", "{")  # where calls may begin: text from there on is held back while streaming
 _DECODER = json.JSONDecoder()
 
 
 def parse(text: str) -> tuple[str | None, list[ParsedCall]]:
-    text = text.replace("<|python_tag|>", "")
+    original, text = text, text.replace("<|python_tag|>", "")
     calls, kept, position = [], [], 0
     start = text.find("{")
     while start >= 0:
@@ -27,7 +28,7 @@ def parse(text: str) -> tuple[str | None, list[ParsedCall]]:
             position = end
         start = text.find("{", end)
     if not calls:
-        return leftover(text), []
+        return original, []
     kept.append(text[position:])
     # The `;` between calls is syntax, not content.
     return leftover("".join(part.strip().strip(";") for part in kept)), calls

@@ -8,11 +8,12 @@ import re
 
 from strata.server.tool_parsers.base import ParsedCall, leftover
 
+MARKERS = ("<|python_start|>", "[")  # where calls may begin: text from there on is held back while streaming
 _START = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 
 
 def parse(text: str) -> tuple[str | None, list[ParsedCall]]:
-    text = text.replace("<|python_start|>", "").replace("<|python_end|>", "")
+    original, text = text, text.replace("<|python_start|>", "").replace("<|python_end|>", "")
     for match in _START.finditer(text):
         end = text.find("]", match.start())
         while end >= 0:  # the shortest `[...]` from here that is a list of calls
@@ -20,7 +21,7 @@ def parse(text: str) -> tuple[str | None, list[ParsedCall]]:
             if calls is not None:
                 return leftover(text[:match.start()] + text[end + 1:]), calls
             end = text.find("]", end + 1)
-    return leftover(text), []
+    return original, []
 
 
 def _calls(source: str) -> list[ParsedCall] | None:
