@@ -45,6 +45,10 @@ def test_response_format_and_structured_outputs_on_chat_and_completions(client):
     done = client.completions.create(model=MODEL, prompt="Hi", max_tokens=60, seed=2, n=2,
                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert {c.text for c in done.choices} <= {"yes", "no"}
+    with_logprobs = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, logprobs=5,
+                                              extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    tops = with_logprobs.choices[0].logprobs.top_logprobs
+    assert tops and all(lp >= -9999.0 for top in tops for lp in top.values())  # masked tokens: floor, not -inf
     regex = client.completions.create(model=MODEL, prompt="Hi", max_tokens=60,
                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
     assert regex.choices[0].text[3] == "-" and len(regex.choices[0].text) == 6

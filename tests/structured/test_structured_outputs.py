@@ -88,8 +88,10 @@ def test_json_object_regex_choice_and_grammar_outputs_conform(llm):
         eval(c.text)  # noqa: S307 - digits, parentheses, + and - only (checked just above)
 
 
-def test_constrained_request_leaves_unconstrained_neighbours_unchanged(llm):
-    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+@pytest.mark.parametrize("plain", [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                                   SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_constrained_request_leaves_unconstrained_neighbours_unchanged(llm, plain):
     prompts = ["The quick brown fox", "import os", "Once upon a time"]
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
     constrained = SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(
