@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 from strata.outputs import TokenLogprobs
 from strata.sampling_params import SamplingParams
@@ -95,6 +94,7 @@ class Sampler:
 
 def apply_grammar_bitmask(logits: torch.Tensor, row_indices: list[int], bitmask: torch.Tensor) -> torch.Tensor:
     """Disallowed tokens of the constrained rows get -inf (xgrammar's kernel; it takes float32 on CPU)."""
+    import xgrammar as xgr  # here: importing it imports triton, which must not happen before TRITON_INTERPRET is set
     if len(row_indices) == logits.shape[0]:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1])
         return logits

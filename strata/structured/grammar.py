@@ -11,17 +11,27 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from strata.config import StructuredOutputsConfig
 from strata.errors import RequestError
 from strata.sampling_params import StructuredOutputsParams
 from strata.structured.json_schema import load_schema
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 logger = logging.getLogger(__name__)
+
+
+def _xgrammar() -> Any:
+    """xgrammar, imported on first use: it imports triton, which reads TRITON_INTERPRET once, when imported; and
+    engines that never see a constrained request do not pay for it."""
+    import xgrammar
+
+    return xgrammar
 
 # xgrammar (0.2.9) lets strings with a maxLength hold raw control characters, which JSON forbids.
 _STRING_CHAR, _JSON_STRING_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
@@ -52,6 +62,7 @@ class GrammarCompiler:
 
     @staticmethod
     def _make_compiler(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> xgr.GrammarCompiler:
+        xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         return xgr.GrammarCompiler(info, max_threads=2)
 
@@ -93,7 +104,7 @@ class GrammarCompiler:
             # Any object: not strict, or `{"type": "object"}` would admit only `{}`.
             schema, strict = (params.json, True) if params.json is not None else ('{"type": "object"}', False)
             schema = schema if isinstance(schema, str) else json.dumps(schema)
-            grammar = str(xgr.Grammar.from_json_schema(schema, strict_mode=strict, **whitespace))
+            grammar = str(_xgrammar().Grammar.from_json_schema(schema, strict_mode=strict, **whitespace))
             return compiler.compile_grammar(grammar.replace(_STRING_CHAR, _JSON_STRING_CHAR))
         if params.regex is not None:
             return compiler.compile_regex(params.regex)
@@ -102,7 +113,7 @@ class GrammarCompiler:
         return compiler.compile_grammar(params.grammar)
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(compiled)
+        return _xgrammar().GrammarMatcher(compiled)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -127,7 +138,8 @@ class BitmaskFiller:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._batch = xgr.BatchGrammarMatcher(max_threads=2)
+        self._xgr = _xgrammar()
+        self._batch = self._xgr.BatchGrammarMatcher(max_threads=2)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-bitmask")
         self.total_fill_s, self.num_fills, self.max_rows = 0.0, 0, 0
 
@@ -137,7 +149,7 @@ class BitmaskFiller:
 
     def fill(self, matchers: list[xgr.GrammarMatcher]) -> torch.Tensor:
         started = time.perf_counter()
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         self.total_fill_s += time.perf_counter() - started
         self.num_fills += 1

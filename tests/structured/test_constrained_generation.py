@@ -101,16 +101,23 @@ def test_constrained_request_leaves_unconstrained_neighbours_unchanged(llm, plai
     json.loads(mixed[3].outputs[0].text)
 
 
-def test_preemption_mid_json_gives_the_same_tokens(llama_gqa, llm):
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x float32
+
+
+@pytest.mark.parametrize("engine", [
+    {"max_model_len": 160, "enable_prefix_caching": False, "kv_cache_memory": 10 * BLOCK_BYTES},  # preempts
+    {"max_num_batched_tokens": 4, "max_num_seqs": 4},  # prefill in chunks of a few tokens
+], ids=["preemption", "chunked_prefill"])
+def test_preemption_and_chunked_prefill_mid_json_give_the_same_tokens(llama_gqa, llm, engine):
     params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
         json=SCHEMAS["nested_arrays_bounds"]))
     prompts = ["def add(a, b):", "The quick brown fox jumps over the lazy dog.", "import os", "Once upon a time",
                "class Engine:", "x"]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x float32
-    with LLM(str(llama_gqa), max_model_len=160, enable_prefix_caching=False, kv_cache_memory=10 * block_bytes) as small:
-        got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
-        assert small.engine.scheduler.num_preemptions > 0
+    with LLM(str(llama_gqa), **engine) as other:
+        got = [o.outputs[0].token_ids for o in other.generate(prompts, params, use_tqdm=False)]
+        if "kv_cache_memory" in engine:
+            assert other.engine.scheduler.num_preemptions > 0
     assert got == want
 
 
