@@ -11,7 +11,7 @@ from strata.errors import (
     UnsupportedModelError,
 )
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
-from strata.sampling_params import SamplingParams
+from strata.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -25,5 +25,6 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "StrataError", "ConfigError",
-           "UnsupportedModelError", "RequestError", "NotFoundError", "AuthError", "EngineDeadError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "StrataError", "ConfigError", "UnsupportedModelError", "RequestError", "NotFoundError", "AuthError",
+           "EngineDeadError"]

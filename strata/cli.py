@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds running requests get to finish before they are ended with an "
                             "error (a second signal exits at once)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let chat requests use tool_choice "auto" (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", default=None, choices=["llama3_json", "llama4_pythonic", "hermes"],
+                       help="how tool calls are found in model output: llama3_json (Llama 3.1/3.2), "
+                            "llama4_pythonic (Llama 4), hermes (Qwen, Hermes)")
     EngineArgs.add_cli_args(serve)
 
     bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -183,6 +183,14 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Grammar-constrained decoding: how long a grammar may compile, and the whitespace JSON may use."""
+
+    timeout_s: float = 10.0
+    max_whitespace: int = 2  # whitespace characters allowed between JSON tokens; -1: any
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -193,6 +201,7 @@ class EngineConfig:
     served_model_names: tuple[str, ...] = ()
     chat_template: str | None = None
     kernels: str = "torch"  # resolved: "torch" or "triton"
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def create(cls, model: str, *, served_model_name: str | list[str] | None = None,
@@ -228,8 +237,9 @@ class EngineConfig:
         if isinstance(served_model_name, str):
             served_model_name = [served_model_name]
         names = tuple(served_model_name or [args.model])
+        structured = StructuredOutputsConfig(args.structured_outputs_timeout, args.structured_outputs_max_whitespace)
         config = cls(model_config, parallel, cache, scheduler, args.device, args.seed, names, chat_template,
-                     resolve_kernels(args.kernels, args.device))
+                     resolve_kernels(args.kernels, args.device), structured)
         validate_parallel(config)
         return config
 
@@ -244,6 +254,12 @@ def _check_options(args: EngineArgs) -> None:
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}",
                           param="gpu_memory_utilization")
+    if args.structured_outputs_timeout <= 0:
+        raise ConfigError(f"structured_outputs_timeout must be > 0 seconds, got {args.structured_outputs_timeout}",
+                          param="structured_outputs_timeout")
+    if args.structured_outputs_max_whitespace < -1:
+        raise ConfigError("structured_outputs_max_whitespace must be -1 (any) or >= 0, got "
+                          f"{args.structured_outputs_max_whitespace}", param="structured_outputs_max_whitespace")
     if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
         raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {args.kv_cache_memory}",
                           param="kv_cache_memory")

@@ -69,6 +69,10 @@ class EngineArgs:
     node_rank: int = _option(0, "this machine's index among --nnodes (0 serves)")
     master_addr: str = _option("127.0.0.1", "address of node 0, where all nodes meet")
     master_port: int | None = _option(None, "port on node 0 where all nodes meet (needed with --nnodes > 1)")
+    structured_outputs_timeout: float = _option(10.0, "seconds a request's grammar may take to compile before the "
+                                                      "request fails with 400")
+    structured_outputs_max_whitespace: int = _option(
+        2, "most whitespace characters between two tokens of constrained JSON (-1: any amount)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -70,15 +70,24 @@ class LLM:
                     if out.finished:
                         finals[out.request_id] = out
                         bar.update(1)
+                failures = self.engine.take_failures()
+                if failures:
+                    for request_id in ids:
+                        self.engine.abort_request(request_id)
+                    raise failures[0][1]
         return [finals[i] for i in ids]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """`tools`: OpenAI function tools, handed to the chat template (`tools=` of apply_chat_template)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = read_chat_template(chat_template)
+        template_kwargs = {"tools": tools} if tools else None
         # Image parts ({"type": "image_url", ...}) are loaded, tiled and expanded into placeholder ids.
-        prompts = [self.engine.render_chat(conversation, template, add_generation_prompt, **self.media_options)
+        prompts = [self.engine.render_chat(conversation, template, add_generation_prompt,
+                                           template_kwargs=template_kwargs, **self.media_options)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -1,11 +1,63 @@
 """SamplingParams: how one request chooses its tokens, validated on construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from strata.errors import RequestError
 
 MAX_LOGPROBS = 20
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on the output (vLLM's names): a JSON schema (dict or str), a regex, a list of choices, an
+    EBNF grammar, or any JSON object. Exactly one is set. `disable_any_whitespace`: JSON without whitespace."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            found = f"got {', '.join(given)}" if given else "got none"
+            raise RequestError(f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}; {found}",
+                               param="structured_outputs")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise RequestError("structured_outputs.json must be a JSON schema (an object or a string)",
+                               param="structured_outputs.json")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise RequestError(f"structured_outputs.{name} must be a string", param=f"structured_outputs.{name}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise RequestError("structured_outputs.choice must be a non-empty list of strings",
+                               param="structured_outputs.choice")
+        if self.json_object not in (None, True):
+            raise RequestError("structured_outputs.json_object must be true when given",
+                               param="structured_outputs.json_object")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar (the cache key)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        elif self.kind == "choice":
+            value = json.dumps(value)
+        return self.kind, str(value), self.disable_any_whitespace
 
 
 @dataclass
@@ -28,6 +80,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine, not by users: token ids that end generation (EOS and friends).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -73,6 +126,8 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

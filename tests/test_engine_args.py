@@ -21,6 +21,7 @@ NON_DEFAULTS = {
     "quantization": ("experts_int8", "experts_int8"), "seed": (5, "5"), "device": ("cpu", "cpu"),
     "nnodes": (2, "2"), "node_rank": (1, "1"), "master_addr": ("10.0.0.1", "10.0.0.1"), "master_port": (29500, "29500"),
     "kernels": ("triton", "triton"),
+    "structured_outputs_timeout": (2.5, "2.5"), "structured_outputs_max_whitespace": (-1, "-1"),
 }
 VERBS = {"serve": ["serve", "m"], "bench throughput": ["bench", "throughput", "--model", "m"], "plan": ["plan", "m"]}
 

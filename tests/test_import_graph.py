@@ -17,7 +17,7 @@ STRATA = Path(__file__).resolve().parents[1] / "strata"
 LEVELS: list[tuple[str, list[str]]] = [
     ("entry points", ["strata", "strata.__main__", "strata.cli", "strata.server", "strata.bench", "strata.plan"]),
     ("llm/engine", ["strata.llm", "strata.engine"]),
-    ("executor", ["strata.executor"]),
+    ("executor", ["strata.executor", "strata.structured"]),
     ("models", ["strata.models", "strata.multimodal"]),
     ("layers", ["strata.layers"]),
     ("kernels", ["strata.kernels"]),

@@ -15,6 +15,7 @@ from strata.engine.request import ProcessedPrompt
 from strata.errors import EngineDeadError, StrataError
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
+from strata.structured.grammar import result_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,16 @@ class AsyncEngine:
                     add_generation_prompt: bool = True, **kwargs: Any) -> ProcessedPrompt:
         """A conversation as a validated prompt (see Engine.render_chat), rendered in the caller."""
         return self.engine.render_chat(messages, chat_template, add_generation_prompt, **kwargs)
+
+    async def prepare_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (or find it cached) before the request is queued, so that an invalid or
+        too slow grammar is a 400 before any streaming; the step loop runs on meanwhile."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        future = self.engine.grammars.compiler.submit(constraint)
+        timeout_s = self.config.structured.timeout_s
+        await asyncio.get_running_loop().run_in_executor(None, result_of, future, constraint, timeout_s)
 
     async def generate(self, request_id: str, prompt: PromptInput | ProcessedPrompt, params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
@@ -130,6 +141,8 @@ class AsyncEngine:
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                for request_id, error in self.engine.take_failures():
+                    self._deliver(request_id, error)
                 if time.monotonic() - last_log > _STATS_INTERVAL_S:
                     last_log = time.monotonic()
                     s = self.stats()

@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from typing import Any
 
 from strata.config import EngineConfig
+from strata.engine.grammars import GrammarState
 from strata.engine.kv_cache import KVCacheManager
 from strata.engine.output_processor import RequestGroup, SequenceState, TokenTextCache, stop_condition
-from strata.engine.request import ProcessedPrompt, Request
+from strata.engine.request import ProcessedPrompt, Request, RequestStatus
 from strata.engine.scheduler import Scheduler
 from strata.engine.state_cache import SlotPool
-from strata.errors import RequestError
+from strata.errors import RequestError, StrataError
 from strata.executor.executor import create_executor
 from strata.executor.model_runner import RunnerOutput
 from strata.multimodal.chat import ImagePromptProcessor, render_chat
@@ -43,6 +45,16 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.stop_token_ids.add(self.tokenizer.eos_token_id)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self._grammar_state: GrammarState | None = None  # made on the first constrained request
+        self._grammar_lock = threading.Lock()
+        self.failures: list[tuple[str, StrataError]] = []  # requests that failed after add_request returned
+
+    @property
+    def grammars(self) -> GrammarState:
+        with self._grammar_lock:  # the server's threads may ask first
+            if self._grammar_state is None:
+                self._grammar_state = GrammarState(self.config, self.tokenizer, self.stop_token_ids)
+        return self._grammar_state
 
     @property
     def max_model_len(self) -> int:
@@ -118,11 +130,17 @@ class Engine:
         params = params.clone()
         params.all_stop_token_ids = set(self.stop_token_ids)
         group = RequestGroup(request_id, prompt.text, prompt.token_ids, params, self.tokenizer)
+        requests = [Request(seq.request_id, prompt.token_ids, group.child_params(seq.index), self.max_model_len,
+                            arrival_time, prompt.mm_inputs) for seq in group.sequences]
+        if params.structured_outputs is not None:
+            # Waits for its grammar outside the scheduler; refused here when the schema is invalid.
+            self.grammars.add(request_id, params.structured_outputs, requests)
+        else:
+            for request in requests:
+                self.scheduler.add(request)
         self.groups[request_id] = group
         for seq in group.sequences:
             self.sequence_of[seq.request_id] = (group, seq)
-            self.scheduler.add(Request(seq.request_id, prompt.token_ids, group.child_params(seq.index),
-                                       self.max_model_len, arrival_time, prompt.mm_inputs))
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
@@ -131,19 +149,30 @@ class Engine:
         for seq in group.sequences:
             self.sequence_of.pop(seq.request_id, None)
             self.scheduler.abort(seq.request_id)
+        if self._grammar_state is not None:
+            self._grammar_state.drop(request_id)
+            for seq in group.sequences:
+                self._grammar_state.drop(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self.in_flight)
 
     def step(self) -> list[RequestOutput]:
         """Run one batch (keeping up to the executor's limit in flight); returns updated requests."""
+        grammars = self._grammar_state
+        if grammars is not None:
+            self._admit_grammar_requests(grammars)
         while len(self.in_flight) < self.executor.max_concurrent_batches:
             sched = self.scheduler.schedule()
             if sched.empty:
                 self.scheduler.restore_finished(sched)
                 break
+            if grammars is not None:
+                sched.grammar_bitmask = grammars.bitmask(sched)
             self.in_flight.append((sched, self.executor.submit(sched)))
         if not self.in_flight:
+            if grammars is not None:
+                grammars.wait(0.01)
             return []
         sched, handle = self.in_flight.popleft()
         result: RunnerOutput = self.executor.collect(handle)
@@ -156,6 +185,19 @@ class Engine:
             self._apply_prompt_logprobs(request_id, entries, touched)
         self.stats["prompt_tokens"] += sched.num_tokens - len(changed)
         return self._collect_outputs(touched)
+
+    def _admit_grammar_requests(self, grammars: GrammarState) -> None:
+        admitted, failed = grammars.ready()
+        for request in admitted:
+            self.scheduler.add(request)
+        for request_id, error in failed:
+            self.abort_request(request_id)
+            self.failures.append((request_id, error))
+
+    def take_failures(self) -> list[tuple[str, StrataError]]:
+        """Requests refused after add_request returned (a grammar that failed or timed out compiling)."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def _apply_token(self, request: Request, result: RunnerOutput, touched: dict) -> None:
         found = self.sequence_of.get(request.request_id)
@@ -177,6 +219,11 @@ class Engine:
             seq.cumulative_logprob += lps.logprob
         stop_string = seq.detokenizer.add(token)  # always: it also extends the text
         stop = stop_condition(request, stop_string)
+        if self._grammar_state is not None and self._grammar_state.constrained(request.request_id):
+            if self._grammar_state.accept(request.request_id, token) and stop is None:
+                stop = (RequestStatus.FINISHED_STOPPED, None)  # the grammar is complete
+            if stop is not None:
+                self._grammar_state.drop(request.request_id)
         if stop is not None:
             if stop_string is None:
                 seq.detokenizer.flush()
@@ -217,6 +264,8 @@ class Engine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self._grammar_state is not None:
+            self._grammar_state.shutdown()
         self.executor.shutdown()
 
 

@@ -14,7 +14,7 @@ import torch
 
 from strata.config import EngineConfig
 from strata.distributed import IntermediateTensors, ParallelContext
-from strata.executor.step import ScheduledRequest, SchedulerOutput
+from strata.executor.step import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from strata.executor.step_inputs import prepare_step
 from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
@@ -139,7 +139,7 @@ class ModelRunner:
         if not requests:
             return RunnerOutput()
         hidden, meta = self._forward(requests, intermediate)
-        return self._sample(requests, hidden, meta.logits_indices)
+        return self._sample(requests, hidden, meta.logits_indices, out.grammar_bitmask)
 
     @torch.inference_mode()
     def execute_stage(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
@@ -197,8 +197,8 @@ class ModelRunner:
         embeds[torch.cat(rows)] = torch.cat(features).to(embeds.dtype)
         return embeds
 
-    def _sample(self, requests: list[ScheduledRequest], hidden: torch.Tensor, logits_indices: torch.Tensor
-                ) -> RunnerOutput:
+    def _sample(self, requests: list[ScheduledRequest], hidden: torch.Tensor, logits_indices: torch.Tensor,
+                bitmask: GrammarBitmask | None = None) -> RunnerOutput:
         result = RunnerOutput()
         ends = np.cumsum([len(s.token_ids) for s in requests])
         sampling = [i for i, s in enumerate(requests) if s.sample]
@@ -209,7 +209,7 @@ class ModelRunner:
                 state = self.states[requests[i].request_id]
                 rows.append(SamplingRow(state.params, state.generator, state.prompt_token_ids,
                                         state.output_token_ids))
-            sampled = self.sampler(logits, rows)
+            sampled = self.sampler(logits, rows, _grammar_rows(bitmask, [requests[i].request_id for i in sampling]))
             for j, i in enumerate(sampling):
                 request_id = requests[i].request_id
                 result.sampled[request_id] = sampled.token_ids[j]
@@ -235,3 +235,12 @@ class ModelRunner:
             ids, lps, target_lp, rank = ids.tolist(), lps.tolist(), target_lp.tolist(), rank.tolist()
             result.prompt_logprobs[s.request_id] = PromptLogprobsChunk(
                 first + 1, [TokenLogprobs(ids[j], lps[j], target_lp[j], rank[j]) for j in range(last - first)])
+
+
+def _grammar_rows(bitmask: GrammarBitmask | None, sampled_ids: list[str]) -> tuple[list[int], torch.Tensor] | None:
+    """The sampled rows under a grammar, in the order of the bitmask's rows (the engine wrote one per request
+    that samples this step)."""
+    if bitmask is None:
+        return None
+    position = {request_id: j for j, request_id in enumerate(sampled_ids)}
+    return [position[request_id] for request_id in bitmask.request_ids], bitmask.tensor()

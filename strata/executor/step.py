@@ -4,9 +4,29 @@ These types live below the engine so that the executor never imports the schedul
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
 from strata.sampling_params import SamplingParams
+
+
+class GrammarBitmask:
+    """Which tokens each constrained row may sample this step: int32 words, bit t of row i allows token t.
+    The engine may still be filling it (a Future) while the forward runs; pickling it for other ranks waits."""
+
+    def __init__(self, request_ids: list[str], bits: torch.Tensor | Future) -> None:
+        self.request_ids = request_ids
+        self._bits = bits
+
+    def tensor(self) -> torch.Tensor:
+        if isinstance(self._bits, Future):
+            self._bits = self._bits.result()
+        return self._bits
+
+    def __getstate__(self) -> dict:
+        return {"request_ids": self.request_ids, "_bits": self.tensor()}
 
 
 @dataclass
@@ -34,6 +54,7 @@ class SchedulerOutput:
     requests: list[ScheduledRequest] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: GrammarBitmask | None = None  # rows of the requests that sample under a grammar
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+"""Batched sampling: grammar bitmasks, penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
 
 A seeded request draws from its own generator, row by row, so it gets the same tokens whatever else
 is in the batch; the other rows draw together from the engine's generator.
@@ -42,8 +42,13 @@ class Sampler:
     def __init__(self, default_generator: torch.Generator) -> None:
         self.default_generator = default_generator
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 grammar: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
+        """`grammar`: the rows under a grammar and their token bitmask, applied before anything else (so
+        logprobs, penalties and every filter see only the tokens the grammar allows)."""
         logits = logits.float()
+        if grammar is not None:
+            logits = apply_grammar_bitmask(logits, *grammar)
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in want_logprobs) else None
         if any(r.params.needs_penalties for r in rows):
@@ -87,6 +92,18 @@ class Sampler:
         return torch.where(greedy, logits.argmax(-1), sampled)
 
 
+def apply_grammar_bitmask(logits: torch.Tensor, row_indices: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens of the constrained rows get -inf (xgrammar's kernel; it takes float32 on CPU)."""
+    import xgrammar as xgr  # here: importing it imports triton, which must not happen before TRITON_INTERPRET is set
+    if len(row_indices) == logits.shape[0]:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1])
+        return logits
+    index = torch.tensor(row_indices, device=logits.device)
+    rows = logits.index_select(0, index)
+    xgr.apply_token_bitmask_inplace(rows, bitmask.to(logits.device), vocab_size=logits.shape[1])
+    return logits.index_copy_(0, index, rows)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """vLLM's semantics: repetition over prompt and output; presence and frequency over the output."""
     vocab = logits.shape[1]
@@ -118,7 +135,7 @@ def mask_stop_tokens_before_min(logits: torch.Tensor, rows: list[SamplingRow]) -
         p = row.params
         if len(row.output_token_ids) < p.min_tokens:
             banned = [t for t in (*p.all_stop_token_ids, *p.stop_token_ids) if t < logits.shape[1]]
-            if banned:
+            if banned and p.structured_outputs is None:  # a grammar that can only end must be let end
                 logits[i, banned] = float("-inf")
     return logits
 

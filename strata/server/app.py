@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata import __version__
 from strata.engine.async_engine import AsyncEngine
-from strata.errors import AuthError, EngineDeadError, NotFoundError, RequestError, StrataError
+from strata.errors import AuthError, ConfigError, EngineDeadError, NotFoundError, RequestError, StrataError
 from strata.server.gate import Gate, GateMiddleware, error_headers
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi import install_openapi, route_doc
@@ -122,6 +122,15 @@ def _answer(result: BaseModel | AsyncIterator[str] | None) -> Response:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def auto_tool_parser(args: argparse.Namespace | None) -> str | None:
+    """The parser of tool_choice="auto", or None when auto is not enabled."""
+    enabled = getattr(args, "enable_auto_tool_choice", False)
+    parser = getattr(args, "tool_call_parser", None)
+    if enabled and parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser", param="tool_call_parser")
+    return parser if enabled else None
+
+
 def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate: Gate | None = None) -> FastAPI:
     """The HTTP app over a running engine; `args` are `strata serve`'s (api_key, disable_log_requests,
     max_waiting_requests, max_request_bytes); `gate` is shared with whoever drains the server."""
@@ -132,7 +141,8 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
     completions = CompletionServing(engine, metrics, log_requests)
     chat = ChatServing(engine, metrics, log_requests, chat_template=config.chat_template,
                        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
-                       allow_remote_media=getattr(args, "allow_remote_media", False))
+                       allow_remote_media=getattr(args, "allow_remote_media", False),
+                       tool_call_parser=auto_tool_parser(args))
 
     app = FastAPI(title="strata", version=__version__,
                   description="OpenAI-compatible API (with vLLM's extra fields) of one strata engine.")

@@ -12,7 +12,7 @@ from strata.engine.async_engine import AsyncEngine
 from strata.engine.request import ProcessedPrompt
 from strata.errors import EngineDeadError, NotFoundError, RequestError, StrataError
 from strata.outputs import Logprob, PositionLogprobs, RequestOutput
-from strata.sampling_params import MAX_LOGPROBS, SamplingParams
+from strata.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from strata.server.metrics import ServerMetrics
 from strata.server.protocol import (
     ChatLogprobContent,
@@ -26,6 +26,7 @@ from strata.server.protocol import (
     UsageInfo,
     error_body,
 )
+from strata.server.structured import request_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +71,14 @@ class Serving:
             raise RequestError("prompt_logprobs is not available when streaming", param="prompt_logprobs")
         if req.logit_bias:
             raise RequestError("logit_bias is not supported", param="logit_bias")
-        kind = (req.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise RequestError(f"response_format {kind!r} (structured output) is not supported; use 'text'",
-                               param="response_format")
 
     def check_logprobs(self, value: int | None, param: str) -> None:
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise RequestError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}", param=param)
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
+                        prompt_logprobs: int | None, structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         def given(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -91,7 +89,8 @@ class Serving:
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=given(req.presence_penalty, 0.0), frequency_penalty=given(req.frequency_penalty, 0.0),
-            repetition_penalty=given(req.repetition_penalty, 1.0), skip_special_tokens=req.skip_special_tokens)
+            repetition_penalty=given(req.repetition_penalty, 1.0), skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured_outputs or request_constraint(req.response_format, req.structured_outputs))
 
     def open_stream(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                     arrival: float) -> AsyncIterator[RequestOutput]:

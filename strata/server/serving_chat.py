@@ -19,6 +19,9 @@ from strata.server.protocol import (
     ChatMessageOut,
     ChatStreamChoice,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
     random_id,
 )
@@ -31,6 +34,8 @@ from strata.server.serving import (
     sse_with_errors,
     usage,
 )
+from strata.server.tool_parsers import ParsedCall
+from strata.server.tools import ToolPlan, plan_tools, template_messages, tool_call_id
 
 
 @dataclass
@@ -40,12 +45,15 @@ class _ChatJob:
     prompt: ProcessedPrompt
     params: SamplingParams
     req: ChatCompletionRequest
+    tools: ToolPlan
 
 
 class ChatServing(Serving):
     def __init__(self, *args: Any, chat_template: str | None = None, allowed_local_media_path: str | None = None,
-                 allow_remote_media: bool = False, **kwargs: Any) -> None:
+                 allow_remote_media: bool = False, tool_call_parser: str | None = None, **kwargs: Any) -> None:
+        """`tool_call_parser`: the parser of `tool_choice="auto"` (None: auto is refused)."""
         super().__init__(*args, **kwargs)
+        self.tool_call_parser = tool_call_parser
         self.chat_template = chat_template
         self.media_options = {"allowed_local_media_path": allowed_local_media_path,
                               "allow_remote_media": allow_remote_media}
@@ -61,13 +69,14 @@ class ChatServing(Serving):
                 raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
                                    param="continue_final_message")
             kwargs["continue_final_message"] = True
-        return self.engine.render_chat([m.model_dump(exclude_none=True) for m in messages],
+        return self.engine.render_chat(template_messages([m.model_dump(exclude_none=True) for m in messages]),
                                        chat_template or self.chat_template, add_generation_prompt,
                                        template_kwargs=kwargs, validate=validate, **self.media_options)
 
     async def create(self, req: ChatCompletionRequest, disconnected: Disconnected | None = None
                      ) -> ChatCompletionResponse | AsyncIterator[str] | None:
         job = self._job(req)
+        await self.engine.prepare_grammar(job.params)
         stream = self.open_stream(job.request_id, job.prompt, job.params, time.monotonic())
         if req.stream:
             return sse_with_errors(self._stream(job, stream))
@@ -77,8 +86,11 @@ class ChatServing(Serving):
     def _job(self, req: ChatCompletionRequest) -> _ChatJob:
         model = self.check_model(req.model)
         self.check_common(req)
-        if req.tools and req.tool_choice != "none":
-            raise RequestError("tool calling is not supported", param="tools")
+        tools = plan_tools(req.tools, req.tool_choice, self.tool_call_parser)
+        response_format = (req.response_format or {}).get("type", "text")
+        if tools.constraint is not None and (req.structured_outputs or response_format != "text"):
+            raise RequestError(f"tool_choice {req.tool_choice!r} constrains the output already; leave out "
+                               "response_format and structured_outputs", param="tool_choice")
         if not req.messages:
             raise RequestError("messages must not be empty", param="messages")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
@@ -87,10 +99,13 @@ class ChatServing(Serving):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                      prompt_logprobs=req.prompt_logprobs)
+                                      prompt_logprobs=req.prompt_logprobs, structured_outputs=tools.constraint)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            template_kwargs["tools"] = req.tools
         prompt = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                             req.chat_template, req.chat_template_kwargs)
-        return _ChatJob(random_id("chatcmpl"), model, prompt, params, req)
+                             req.chat_template, template_kwargs)
+        return _ChatJob(random_id("chatcmpl"), model, prompt, params, req, tools)
 
     def _logprobs(self, job: _ChatJob, token_ids: list[int], seq: CompletionOutput, start: int = 0):
         if not job.req.logprobs:
@@ -100,10 +115,16 @@ class ChatServing(Serving):
                                   bool(job.req.return_tokens_as_token_ids))
 
     def _response(self, job: _ChatJob, out: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=seq.index, message=ChatMessageOut(content=seq.text),
-                              logprobs=self._logprobs(job, seq.token_ids, seq),
-                              finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-                   for seq in out.outputs]
+        choices = []
+        for seq in out.outputs:
+            content, calls = job.tools.calls(seq.text)
+            message = ChatMessageOut(content=content, tool_calls=[
+                ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                for c in calls])
+            choices.append(ChatChoice(index=seq.index, message=message,
+                                      logprobs=self._logprobs(job, seq.token_ids, seq),
+                                      finish_reason=_finish_reason(seq.finish_reason, calls),
+                                      stop_reason=seq.stop_reason))
         completion_tokens = sum(len(seq.token_ids) for seq in out.outputs)
         return ChatCompletionResponse(
             id=job.request_id, model=job.model, choices=choices,
@@ -116,6 +137,7 @@ class ChatServing(Serving):
         continuous = include_usage and bool(opts.continuous_usage_stats)
         n, num_prompt = job.params.n, len(job.prompt.token_ids)
         sent_tokens, sent_text, done = [0] * n, [0] * n, [False] * n
+        tool_ids = [tool_call_id() for _ in range(n)]  # of a named call, sent with its first delta
 
         def chunk(choice: ChatStreamChoice, tokens: int) -> str:
             return sse(_chunk(job, [choice], usage(num_prompt, tokens) if continuous else None))
@@ -128,14 +150,55 @@ class ChatServing(Serving):
                 if done[j] or (len(seq.token_ids) == sent_tokens[j] and not finished):
                     continue
                 new_ids = seq.token_ids[sent_tokens[j]:]
-                delta = DeltaMessage(content=seq.text[sent_text[j]:])
+                deltas, calls, streamed = _deltas(job.tools, seq, sent_text[j], finished, tool_ids[j])
                 logprobs = self._logprobs(job, new_ids, seq, sent_tokens[j])
-                sent_tokens[j], sent_text[j], done[j] = len(seq.token_ids), len(seq.text), finished
-                yield chunk(ChatStreamChoice(index=j, delta=delta, logprobs=logprobs,
-                                             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason),
-                            sent_tokens[j])
+                sent_tokens[j], sent_text[j], done[j] = len(seq.token_ids), streamed, finished
+                for k, delta in enumerate(deltas):  # the last carries the finish reason
+                    last = k == len(deltas) - 1
+                    yield chunk(ChatStreamChoice(
+                        index=j, delta=delta, logprobs=logprobs if k == 0 else None,
+                        finish_reason=_finish_reason(seq.finish_reason, calls) if last else None,
+                        stop_reason=seq.stop_reason if last else None), sent_tokens[j])
         if include_usage:
             yield sse(_chunk(job, [], usage(num_prompt, sum(sent_tokens))))
+
+
+def _finish_reason(reason: str | None, calls: list[ParsedCall]) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _deltas(tools: ToolPlan, seq: CompletionOutput, sent: int, finished: bool, named_id: str
+            ) -> tuple[list[DeltaMessage], list[ParsedCall], int]:
+    """One choice's next deltas (at least one), the calls it completes, and how much of the text is sent now.
+
+    A named call streams its arguments as they come (the output is the arguments). Auto streams content up to
+    where a call may begin; required and auto calls are parsed from the whole output, so they go out at the end:
+    per call one delta with index, id and name, then one with its arguments."""
+    text = seq.text
+    if tools.mode == "none":
+        return [DeltaMessage(content=text[sent:])], [], len(text)
+    if tools.mode == "named":
+        head = {"id": named_id, "type": "function"} if sent == 0 else {}
+        name = tools.name if sent == 0 else None
+        fragment = DeltaToolCall(index=0, **head, function=FunctionCall(name=name, arguments=text[sent:]))
+        calls = [ParsedCall(tools.name, text)] if finished else []
+        return [DeltaMessage(tool_calls=[fragment] if text[sent:] or sent == 0 else None)], calls, len(text)
+    if not finished:
+        safe = max(tools.streamable(text), sent) if tools.mode == "auto" else sent
+        return [DeltaMessage(content=text[sent:safe] or None)], [], safe
+    content, calls = tools.calls(text)
+    if not calls:
+        return [DeltaMessage(content=text[sent:])], [], len(text)
+    # Content outside the calls that was not streamed yet (what streamed is its start, up to whitespace).
+    streamed = text[:sent].strip()
+    rest = content[len(streamed):] if content and content.startswith(streamed) else None
+    deltas = [DeltaMessage(content=rest or None)]
+    for i, call in enumerate(calls):
+        deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=tool_call_id(), type="function",
+                                                             function=FunctionCall(name=call.name, arguments=""))]))
+        deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, function=FunctionCall(
+            arguments=call.arguments))]))
+    return deltas, calls, len(text)
 
 
 def _chunk(job: _ChatJob, choices: list[ChatStreamChoice], chunk_usage: UsageInfo | None) -> ChatCompletionChunk:

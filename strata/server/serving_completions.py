@@ -48,6 +48,7 @@ class CompletionServing(Serving):
         """A response, an SSE stream (when req.stream), or None when the client left before the end."""
         job = self._job(req)
         arrival = time.monotonic()
+        await self.engine.prepare_grammar(job.params)
         streams = [self.open_stream(f"{job.request_id}-{i}", p, job.params, arrival)
                    for i, p in enumerate(job.prompts)]
         if req.stream:

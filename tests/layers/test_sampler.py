@@ -96,3 +96,23 @@ def test_logprobs_are_named_records():
     lps = sampler()(logits, [row(temperature=0, logprobs=1)]).logprobs[0]
     assert lps.top_ids == [1] and lps.rank == 1
     assert lps.logprob == lps.top_logprobs[0]
+
+
+def bitmask_allowing(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    bits = torch.zeros(len(allowed), (vocab + 31) // 32, dtype=torch.int32)
+    for i, tokens in enumerate(allowed):
+        for t in tokens:
+            word = int(bits[i, t // 32]) | (1 << (t % 32))
+            bits[i, t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32 wrap-around of bit 31
+    return bits
+
+
+def test_grammar_bitmask_constrains_only_its_rows_before_logprobs():
+    logits = torch.randn(3, 70)
+    rows = [row(temperature=0, logprobs=3)] * 3
+    allowed = [[5, 31, 63], [2]]  # rows 0 and 2 are constrained; bit 31 checks the sign bit of a word
+    out = sampler()(logits.clone(), rows, ([0, 2], bitmask_allowing(allowed, 70)))
+    assert out.token_ids[0] == max(allowed[0], key=lambda t: logits[0, t]) and out.token_ids[2] == 2
+    assert out.token_ids[1] == logits[1].argmax().item()  # unconstrained row untouched
+    assert set(out.logprobs[0].top_ids) == set(allowed[0])  # logprobs of the constrained distribution
+    assert out.logprobs[2].logprob == 0.0

@@ -1,11 +1,13 @@
 """`strata serve` with no model serves the built-in strata-demo checkpoint (the README's first command)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 
 import httpx
+import jsonschema
 import pytest
 from conftest import REPO, Server, child_env, free_port, stop_server
 
@@ -35,5 +37,15 @@ def test_serve_without_a_model_serves_strata_demo(tmp_path):
                        json={"prompt": "def read(self):\n", "max_tokens": 16, "temperature": 0})
         assert r.status_code == 200 and r.json()["model"] == "strata-demo"
         assert r.json()["usage"]["completion_tokens"] >= 1
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                   "lines": {"type": "integer", "minimum": 1, "maximum": 99},
+                                                   "kind": {"enum": ["function", "class"]}},
+                  "required": ["name", "lines", "kind"]}
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Describe a Python function as JSON."}], "max_tokens": 120,
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}})
+        assert r.status_code == 200, r.text
+        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
     finally:
         assert stop_server(server) == 0, log.read_text()[-3000:]

@@ -1,0 +1,1 @@
+"""Structured outputs: grammar compilation (xgrammar), per-sequence matchers and the token bitmask of each step."""
