@@ -15,7 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from strata.layers.quantization import cpu_matmul
+
 BLOCK = 32
+# Rows up to which the C kernel beats dequantizing the weight for a GEMM (measured on 2 AVX2/AVX-512 cores).
+SMALL_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -111,10 +115,18 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
 
 
 def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (float32 or bfloat16) times the weight: [..., N] in x's dtype."""
+    """x [..., K] (float32 or bfloat16) times the weight: [..., N] in x's dtype. On CPU, up to
+    SMALL_BATCH rows run the C kernel (weights read once, dequantized in registers); more rows dequantize the
+    weight to float32 for one GEMM. Elsewhere (or without a C compiler) the plain-torch reference runs."""
     if x.shape[-1] != w.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {w.in_features}")
-    y = F.linear(x.to(torch.float32), dequantize(w))
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype)
+    rows = x.reshape(-1, w.in_features).to(torch.float32).contiguous()
+    kind = cpu_matmul.KIND_INT4 if w.bits == 4 else cpu_matmul.KIND_INT8
+    if x.device.type != "cpu" or not cpu_matmul.available():
+        y = F.linear(rows, dequantize(w), None if bias is None else bias.to(torch.float32))
+    elif rows.shape[0] <= SMALL_BATCH:
+        y = cpu_matmul.matmul(rows, w.packed, kind, w.out_features, w.scales, w.zeros, w.effective_group_size, bias)
+    else:
+        dense = cpu_matmul.dequantize(w.packed, kind, w.in_features, w.scales, w.zeros, w.effective_group_size)
+        y = F.linear(rows, dense, None if bias is None else bias.to(torch.float32))
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
