@@ -1,10 +1,11 @@
-"""Command line: `strata serve | bench throughput | bench serve | plan` (flags follow vLLM's names)."""
+"""Command line: `strata serve | bench throughput | bench latency | bench serve | plan` (flags follow vLLM's names)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
+from strata.bench.latency import add_cli_args as add_latency_args
 from strata.engine_args import EngineArgs
 from strata.errors import StrataError
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--backend", default="strata", choices=["strata", "hf"],
                             help="hf: transformers generate() with one static batch, as a baseline")
     EngineArgs.add_cli_args(throughput)
+    add_latency_args(bench.add_parser("latency", help="time per output token of one batch, and weight GB/s"))
     bench_serve = bench.add_parser("serve", help="online serving benchmark against any OpenAI-compatible server")
     _add_bench_serve_args(bench_serve)
 
@@ -73,6 +75,10 @@ def _run(args: argparse.Namespace) -> int:
         from strata.bench.throughput import run_throughput
 
         return run_throughput(args)
+    if args.verb == "bench" and args.bench == "latency":
+        from strata.bench.latency import run_latency
+
+        return run_latency(args)
     if args.verb == "bench" and args.bench == "serve":
         from strata.bench.serve import run_bench_serve
 
