@@ -17,6 +17,7 @@
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8 };
 #define BLOCK 32
 #define ROWS_PER_TASK 16
+#define MAX_MC 4 /* rows of x multiplied per pass over a weight row */
 
 /* One weight matrix: rows of `row_bytes`; quantized kinds carry scales (and zero points, or NULL for the
    symmetric 2^(bits-1)) per group of `group_size` values of K. Dense kinds have one group and no scales. */
@@ -56,21 +57,19 @@ static inline void load_block(int kind, const uint8_t *row, int64_t b, __m256 v[
             const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
             v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
         }
-    } else {
-        __m128i lo, hi;
-        if (kind == KIND_INT8) {
-            lo = _mm_loadu_si128((const __m128i *)(row + b * BLOCK));
-            hi = _mm_loadu_si128((const __m128i *)(row + b * BLOCK + 16));
-        } else {
-            const __m128i packed = _mm_loadu_si128((const __m128i *)(row + b * (BLOCK / 2)));
-            const __m128i nibble = _mm_set1_epi8(15);
-            lo = _mm_and_si128(packed, nibble);
-            hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-        }
-        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else if (kind == KIND_INT8) { /* widened straight from memory: no shuffles between the loads */
+        const uint8_t *p = row + b * BLOCK;
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * j))));
+    } else { /* bytes 0-7 hold values 0-7 and 16-23, bytes 8-15 values 8-15 and 24-31 */
+        const uint8_t *p = row + b * (BLOCK / 2);
+        const __m256i nibble = _mm256_set1_epi32(15);
+        const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, nibble));
+        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, nibble));
+        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
     }
 }
 
@@ -85,25 +84,27 @@ static inline float hsum(__m256 v) {
    term sum over groups of scale * zero * xsum (x summed per group over the full blocks). Each block's four
    products form one independent chain, scaled into one of two running totals. */
 static inline __attribute__((always_inline)) void row_blocks(const weights_t *w, int64_t n, const float *x,
-                                                            int64_t x_stride, const float *xsum, const int MC,
+                                                            const float *xsum, const int KIND, const int MC,
                                                             float *y) {
     const uint8_t *row = w->data + n * w->row_bytes;
-    const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK;
-    const int quantized = w->kind == KIND_INT4 || w->kind == KIND_INT8;
+    const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK, x_stride = w->k;
+    const int quantized = KIND == KIND_INT4 || KIND == KIND_INT8;
     const float *scales = quantized ? w->scales + n * w->groups : NULL;
-    __m256 total[2][2];
+    __m256 total[MAX_MC][2];
     for (int m = 0; m < MC; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < full; b++) {
-        __m256 v[4];
-        load_block(w->kind, row, b, v);
-        const __m256 scale = quantized ? _mm256_broadcast_ss(scales + b / per_group) : _mm256_set1_ps(1.f);
-        for (int m = 0; m < MC; m++) {
-            const float *xb = x + m * x_stride + b * BLOCK;
-            __m256 p = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-            p = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), p);
-            p = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), p);
-            p = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), p);
-            total[m][b & 1] = _mm256_fmadd_ps(p, scale, total[m][b & 1]);
+    for (int64_t g = 0, b = 0; b < full; g++) {
+        const int64_t end = quantized && (g + 1) * per_group < full ? (g + 1) * per_group : full;
+        const __m256 scale = quantized ? _mm256_broadcast_ss(scales + g) : _mm256_set1_ps(1.f);
+        for (; b < end; b++) {
+            __m256 v[4];
+            load_block(KIND, row, b, v);
+            for (int m = 0; m < MC; m++) {
+                const float *xb = x + m * x_stride + b * BLOCK;
+                const __m256 p0 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xb)));
+                const __m256 p1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xb + 16)));
+                total[m][0] = _mm256_fmadd_ps(p0, scale, total[m][0]);
+                total[m][1] = _mm256_fmadd_ps(p1, scale, total[m][1]);
+            }
         }
     }
     for (int m = 0; m < MC; m++) {
@@ -114,16 +115,17 @@ static inline __attribute__((always_inline)) void row_blocks(const weights_t *w,
     }
 }
 #else
-static inline void row_blocks(const weights_t *w, int64_t n, const float *x, int64_t x_stride,
-                              const float *xsum, const int MC, float *y) {
+static inline void row_blocks(const weights_t *w, int64_t n, const float *x, const float *xsum, const int KIND,
+                              const int MC, float *y) {
     const uint8_t *row = w->data + n * w->row_bytes;
-    const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK;
+    const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK, x_stride = w->k;
+    (void)KIND;
     const int quantized = w->kind == KIND_INT4 || w->kind == KIND_INT8;
     for (int m = 0; m < MC; m++) y[m] = 0.f;
     int64_t b = 0;
     for (int64_t g = 0; g < w->groups && b < full; g++) {
         const int64_t end = quantized && (g + 1) * per_group < full ? (g + 1) * per_group : full;
-        float acc[2] = {0.f, 0.f};
+        float acc[MAX_MC] = {0.f};
         for (; b < end; b++) {
             float v[BLOCK];
             for (int j = 0; j < BLOCK; j++) v[j] = load_value(w, row, b * BLOCK + j);
@@ -153,18 +155,41 @@ static inline float row_tail(const weights_t *w, int64_t n, const float *x) {
     return acc;
 }
 
+typedef void (*row_fn)(const weights_t *, int64_t, const float *, const float *, float *);
+#define DEFINE_ROW(KIND, MC)                                                                                   \
+    static void row_##KIND##_##MC(const weights_t *w, int64_t n, const float *x, const float *xsum, float *y) { \
+        row_blocks(w, n, x, xsum, KIND, MC, y);                                                                \
+    }
+#define DEFINE_ROWS(KIND) DEFINE_ROW(KIND, 1) DEFINE_ROW(KIND, 2) DEFINE_ROW(KIND, 4)
+DEFINE_ROWS(KIND_F32)
+DEFINE_ROWS(KIND_BF16)
+DEFINE_ROWS(KIND_INT4)
+DEFINE_ROWS(KIND_INT8)
+#define ROWS_OF(KIND, MC) ((MC) == 4 ? row_##KIND##_4 : (MC) == 2 ? row_##KIND##_2 : row_##KIND##_1)
+
+/* The kernel for a weight kind and a chunk of 1, 2 or 4 rows of x, each specialised at compile time. */
+static row_fn row_kernel(int kind, int mc) {
+    switch (kind) {
+    case KIND_F32: return ROWS_OF(KIND_F32, mc);
+    case KIND_BF16: return ROWS_OF(KIND_BF16, mc);
+    case KIND_INT4: return ROWS_OF(KIND_INT4, mc);
+    default: return ROWS_OF(KIND_INT8, mc);
+    }
+}
+
 static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float *x, int64_t m_total,
                          const float *xsum, const float *bias, float *out) {
-    for (int64_t m0 = 0; m0 < m_total; m0 += 2) {
-        const int mc = m_total - m0 >= 2 ? 2 : 1;
+    for (int64_t m0 = 0; m0 < m_total;) {
+        const int mc = m_total - m0 >= 4 ? 4 : m_total - m0 >= 2 ? 2 : 1;
+        const row_fn kernel = row_kernel(w->kind, mc);
         const float *xm = x + m0 * w->k;
         for (int64_t n = n0; n < n1; n++) {
-            float y[2];
-            if (mc == 2) row_blocks(w, n, xm, w->k, xsum + m0 * w->groups, 2, y);
-            else row_blocks(w, n, xm, w->k, xsum + m0 * w->groups, 1, y);
+            float y[MAX_MC];
+            kernel(w, n, xm, xsum + m0 * w->groups, y);
             for (int m = 0; m < mc; m++)
                 out[(m0 + m) * w->n + n] = y[m] + row_tail(w, n, xm + m * w->k) + (bias ? bias[n] : 0.f);
         }
+        m0 += mc;
     }
 }
 
