@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from strata.layers.quantization import cpu_matmul
 
 BLOCK = 32
-# Rows up to which the C kernel beats dequantizing the weight for a GEMM (measured on 2 AVX2/AVX-512 cores).
+# Rows up to which the C kernel beats dequantizing tiles for oneDNN's GEMM (about even at 16 on a Zen 4 core).
 SMALL_BATCH = 16
 TILE_BYTES = 1 << 20  # a tile of the float32 weight, kept in L2 for its GEMM
 
@@ -133,8 +133,9 @@ def _dequantize_gemm(rows: torch.Tensor, w: QuantizedWeight, kind: int, bias: to
 
 def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (float32 or bfloat16) times the weight: [..., N] in x's dtype. On CPU, up to
-    SMALL_BATCH rows run the C kernel (weights read once, dequantized in registers); more rows dequantize the
-    weight to float32 for one GEMM. Elsewhere (or without a C compiler) the plain-torch reference runs."""
+    SMALL_BATCH rows run the C kernel (weights read once, dequantized in registers); more rows dequantize a
+    cache-sized tile of the weight at a time for oneDNN's GEMM. Elsewhere (CUDA, or no C compiler, which
+    native.py warns about) the plain-torch dequantize-then-matmul runs."""
     if x.shape[-1] != w.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {w.in_features}")
     rows = x.reshape(-1, w.in_features).to(torch.float32).contiguous()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from strata import native
-from strata.layers.quantization import cpu_matmul
+from strata.layers.quantization import cpu_matmul, weight_only
 from strata.layers.quantization.weight_only import dequantize, pack_weight, unpack, weight_only_linear
 
 
@@ -141,3 +141,13 @@ def test_bfloat16_input_gives_bfloat16_output_close_to_float32():
     y = weight_only_linear(x.bfloat16(), w)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), weight_only_linear(x.bfloat16().float(), w), rtol=1e-2, atol=1e-2)
+
+
+def test_large_batches_tile_the_weight_and_still_match(monkeypatch):
+    monkeypatch.setattr(weight_only, "TILE_BYTES", 4 * 200 * 16)  # 16 rows a tile: 5 tiles, the last short
+    q, scales, zeros = _random_weight(75, 200, 4, 64, False)
+    w = pack_weight(q, scales, zeros, 4, 64)
+    x = torch.randn(40, 200)
+    bias = torch.randn(75)
+    reference = x.double() @ _reference(q, scales, zeros, 4, 64).double().T + bias.double()
+    torch.testing.assert_close(weight_only_linear(x, w, bias).double(), reference, rtol=1e-4, atol=1e-4)
