@@ -1,10 +1,11 @@
-"""Command line: `strata serve | bench throughput | bench serve | plan` (flags follow vLLM's names)."""
+"""Command line: `strata serve | bench throughput | bench latency | bench serve | plan` (flags follow vLLM's names)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
+from strata.bench.latency import add_cli_args as add_latency_args
 from strata.bench.throughput import add_throughput_args
 from strata.engine_args import EngineArgs, byte_size
 from strata.errors import StrataError
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     add_throughput_args(bench.add_parser("throughput", help="offline throughput on random prompts"))
+    add_latency_args(bench.add_parser("latency", help="time per output token of one batch, and weight GB/s"))
     bench_serve = bench.add_parser("serve", help="online serving benchmark against any OpenAI-compatible server")
     _add_bench_serve_args(bench_serve)
 
@@ -80,6 +82,10 @@ def _run(args: argparse.Namespace) -> int:
         from strata.bench.throughput import run_throughput
 
         return run_throughput(args)
+    if args.verb == "bench" and args.bench == "latency":
+        from strata.bench.latency import run_latency
+
+        return run_latency(args)
     if args.verb == "bench" and args.bench == "serve":
         from strata.bench.serve import run_bench_serve
 

@@ -1,6 +1,7 @@
 """Frozen configuration of an engine (model, parallel layout, cache, scheduler) and all its validation."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -53,6 +54,24 @@ def parse_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}", param="dtype")
     return _DTYPES[dtype]
+
+
+def cpu_has_native_bfloat16() -> bool:
+    """Whether oneDNN computes bfloat16 natively here (AVX-512 BF16 / AMX); elsewhere bfloat16 GEMMs are
+    emulated, about five times slower than float32."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def auto_compute_dtype(model: ModelConfig, dtype: str | torch.dtype, device: str) -> ModelConfig:
+    """`dtype=auto` for a bfloat16 checkpoint on a CPU without native bfloat16 computes in float32 (one
+    conversion at load, twice the weight memory); an explicit `dtype=bfloat16` is kept."""
+    if dtype != "auto" or model.dtype != torch.bfloat16 or resolve_device(device).type != "cpu" \
+            or cpu_has_native_bfloat16():
+        return model
+    logger.warning("this CPU has no native bfloat16 arithmetic (bfloat16 GEMMs would run about 5x slower than "
+                   "float32): dtype=auto computes the bfloat16 checkpoint in float32, which doubles its weight "
+                   "memory; pass dtype=bfloat16 to keep bfloat16")
+    return dataclasses.replace(model, dtype=torch.float32)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -216,6 +235,7 @@ class EngineConfig:
         """The engine's configuration, every option checked: an impossible one is refused before any process
         starts. `served_model_name` (default: the model path) and `chat_template` are the front end's."""
         model_config = ModelConfig.from_path(args.model, args.dtype, args.max_model_len, args.quantization)
+        model_config = auto_compute_dtype(model_config, args.dtype, args.device)
         parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.pp_layer_partition,
                                   args.nnodes, args.node_rank, args.master_addr, args.master_port)
         _check_options(args)

@@ -1,0 +1,88 @@
+"""`strata bench latency`: time per output token of one batch after a fixed prompt (vLLM's name), with the
+effective weight bandwidth: the bytes of weights a decode step reads over the time it takes."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+
+from strata.bench.throughput import random_prompts
+from strata.engine_args import EngineArgs, engine_kwargs
+from strata.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--num-iters-warmup", type=int, default=1)
+    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(parser)
+
+
+def weight_bytes(args: argparse.Namespace) -> int:
+    """Parameter bytes over all ranks, as `strata plan` counts them (quantized weights at their packed size):
+    what one decode step reads, counting the embedding table whole (the LM head reads it when tied)."""
+    from strata.config import EngineConfig
+    from strata.plan import plan_layout
+
+    config = EngineConfig.from_args(EngineArgs.from_cli_args(args, args.model))
+    return sum(p.param_bytes for p in plan_layout(config))
+
+
+def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    if any(len(o.outputs[0].token_ids) != max_tokens for o in outs):
+        raise RuntimeError(f"expected {max_tokens} output tokens per prompt")
+    return elapsed
+
+
+def measure(llm, prompts: list[list[int]], output_len: int, warmup: int, iters: int) -> tuple[list[float], float]:
+    """Latencies of `iters` full runs, and the time per output token: the run less its prefill and first
+    token (a run with one output token), over the remaining tokens."""
+    for _ in range(warmup):
+        _timed(llm, prompts, output_len)
+    latencies = [_timed(llm, prompts, output_len) for _ in range(iters)]
+    first = min(_timed(llm, prompts, 1) for _ in range(max(1, iters)))
+    per_token = (min(latencies) - first) / max(1, output_len - 1)
+    return latencies, per_token
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    from strata.config import ModelConfig
+    from strata.llm import LLM
+
+    if args.output_len < 2:
+        raise SystemExit("--output-len must be at least 2 to time decode steps")
+    model = ModelConfig.from_path(args.model)
+    prompts = random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed, avoid=model.eos_token_ids)
+    nbytes = weight_bytes(args)
+    llm = LLM(args.model, **engine_kwargs(args))
+    try:
+        latencies, per_token = measure(llm, prompts, args.output_len, args.num_iters_warmup, args.num_iters)
+    finally:
+        llm.shutdown()
+    result = {"avg_latency": statistics.mean(latencies), "latencies": latencies, "batch_size": args.batch_size,
+              "input_len": args.input_len, "output_len": args.output_len, "time_per_output_token": per_token,
+              "output_tokens_per_second": args.batch_size / per_token, "weight_bytes": nbytes,
+              "weight_bandwidth_gb_per_s": nbytes / per_token / 1e9}
+    sys.stdout.write(f"Avg latency: {result['avg_latency']:.4f} seconds (batch {args.batch_size}, "
+                     f"{args.input_len} in, {args.output_len} out)\n"
+                     f"Time per output token: {per_token * 1e3:.2f} ms, {result['output_tokens_per_second']:.2f} "
+                     f"output tokens/s\n"
+                     f"Effective weight bandwidth: {result['weight_bandwidth_gb_per_s']:.2f} GB/s "
+                     f"({nbytes / 1e9:.3f} GB of weights read per step)\n")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

@@ -1,0 +1,248 @@
+/* Small-batch linear products read straight from float32, bfloat16, int8 or int4 weights (strata's packed
+   layout, strata/layers/quantization/weight_only.py), and the dequantization the large-batch path uses.
+   Built on first use by strata/native.py; AVX2/FMA when the machine has it, plain C otherwise. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(STRATA_PORTABLE)
+#include <immintrin.h>
+#define USE_AVX2 1
+#else
+#define USE_AVX2 0
+#endif
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8 };
+#define BLOCK 32
+#define ROWS_PER_TASK 16
+#define MAX_MC 4 /* rows of x multiplied per pass over a weight row */
+
+/* One weight matrix: rows of `row_bytes`; quantized kinds carry scales (and zero points, or NULL for the
+   symmetric 2^(bits-1)) per group of `group_size` values of K. Dense kinds have one group and no scales. */
+typedef struct {
+    const uint8_t *data;
+    int64_t row_bytes, n, k, groups, group_size;
+    const float *scales, *zeros;
+    int kind;
+} weights_t;
+
+static inline float load_value(const weights_t *w, const uint8_t *row, int64_t k) {
+    switch (w->kind) {
+    case KIND_F32: return ((const float *)row)[k];
+    case KIND_BF16: return bf16_to_f32(((const uint16_t *)row)[k]);
+    case KIND_INT8: return (float)row[k];
+    default: {
+        const uint8_t byte = row[k / BLOCK * (BLOCK / 2) + k % (BLOCK / 2)];
+        return (float)(k % BLOCK < BLOCK / 2 ? byte & 15 : byte >> 4);
+    }
+    }
+}
+
+static inline float zero_point(const weights_t *w, int64_t n, int64_t g) {
+    if (w->zeros) return w->zeros[n * w->groups + g];
+    return w->kind == KIND_INT4 ? 8.f : 128.f;
+}
+
+#if USE_AVX2
+/* The 32 values of block b of a row, as four registers of 8 floats (quantized kinds: the raw unsigned q). */
+static inline void load_block(int kind, const uint8_t *row, int64_t b, __m256 v[4]) {
+    if (kind == KIND_F32) {
+        const float *p = (const float *)row + b * BLOCK;
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(p + 8 * j);
+    } else if (kind == KIND_BF16) {
+        const uint16_t *p = (const uint16_t *)row + b * BLOCK;
+        for (int j = 0; j < 4; j++) {
+            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
+            v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+        }
+    } else if (kind == KIND_INT8) { /* widened straight from memory: no shuffles between the loads */
+        const uint8_t *p = row + b * BLOCK;
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * j))));
+    } else { /* bytes 0-7 hold values 0-7 and 16-23, bytes 8-15 values 8-15 and 24-31 */
+        const uint8_t *p = row + b * (BLOCK / 2);
+        const __m256i nibble = _mm256_set1_epi32(15);
+        const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, nibble));
+        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, nibble));
+        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Full blocks of row n against MC rows of x: y[m] = sum over blocks of scale * (q . x) minus the zero-point
+   term sum over groups of scale * zero * xsum (x summed per group over the full blocks). Each block's four
+   products form one independent chain, scaled into one of two running totals. */
+static inline __attribute__((always_inline)) void row_blocks(const weights_t *w, int64_t n, const float *x,
+                                                            const float *xsum, const int KIND, const int MC,
+                                                            float *y) {
+    const uint8_t *row = w->data + n * w->row_bytes;
+    const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK, x_stride = w->k;
+    const int quantized = KIND == KIND_INT4 || KIND == KIND_INT8;
+    const float *scales = quantized ? w->scales + n * w->groups : NULL;
+    __m256 total[MAX_MC][2];
+    for (int m = 0; m < MC; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0, b = 0; b < full; g++) {
+        const int64_t end = quantized && (g + 1) * per_group < full ? (g + 1) * per_group : full;
+        const __m256 scale = quantized ? _mm256_broadcast_ss(scales + g) : _mm256_set1_ps(1.f);
+        for (; b < end; b++) {
+            __m256 v[4];
+            load_block(KIND, row, b, v);
+            for (int m = 0; m < MC; m++) {
+                const float *xb = x + m * x_stride + b * BLOCK;
+                const __m256 p0 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xb)));
+                const __m256 p1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xb + 16)));
+                total[m][0] = _mm256_fmadd_ps(p0, scale, total[m][0]);
+                total[m][1] = _mm256_fmadd_ps(p1, scale, total[m][1]);
+            }
+        }
+    }
+    for (int m = 0; m < MC; m++) {
+        float correction = 0.f;
+        if (quantized)
+            for (int64_t g = 0; g < w->groups; g++) correction += scales[g] * zero_point(w, n, g) * xsum[m * w->groups + g];
+        y[m] = hsum(_mm256_add_ps(total[m][0], total[m][1])) - correction;
+    }
+}
+#else
+static inline void row_blocks(const weights_t *w, int64_t n, const float *x, const float *xsum, const int KIND,
+                              const int MC, float *y) {
+    const uint8_t *row = w->data + n * w->row_bytes;
+    const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK, x_stride = w->k;
+    (void)KIND;
+    const int quantized = w->kind == KIND_INT4 || w->kind == KIND_INT8;
+    for (int m = 0; m < MC; m++) y[m] = 0.f;
+    int64_t b = 0;
+    for (int64_t g = 0; g < w->groups && b < full; g++) {
+        const int64_t end = quantized && (g + 1) * per_group < full ? (g + 1) * per_group : full;
+        float acc[MAX_MC] = {0.f};
+        for (; b < end; b++) {
+            float v[BLOCK];
+            for (int j = 0; j < BLOCK; j++) v[j] = load_value(w, row, b * BLOCK + j);
+            for (int m = 0; m < MC; m++)
+                for (int j = 0; j < BLOCK; j++) acc[m] += v[j] * x[m * x_stride + b * BLOCK + j];
+        }
+        const float scale = quantized ? w->scales[n * w->groups + g] : 1.f;
+        const float zero = quantized ? zero_point(w, n, g) : 0.f;
+        for (int m = 0; m < MC; m++) y[m] += scale * (acc[m] - (quantized ? zero * xsum[m * w->groups + g] : 0.f));
+    }
+}
+#endif
+
+/* The values past the last full block, dequantized one by one. */
+static inline float row_tail(const weights_t *w, int64_t n, const float *x) {
+    const uint8_t *row = w->data + n * w->row_bytes;
+    const int quantized = w->kind == KIND_INT4 || w->kind == KIND_INT8;
+    float acc = 0.f;
+    for (int64_t k = w->k / BLOCK * BLOCK; k < w->k; k++) {
+        float v = load_value(w, row, k);
+        if (quantized) {
+            const int64_t g = k / w->group_size;
+            v = (v - zero_point(w, n, g)) * w->scales[n * w->groups + g];
+        }
+        acc += v * x[k];
+    }
+    return acc;
+}
+
+typedef void (*row_fn)(const weights_t *, int64_t, const float *, const float *, float *);
+#define DEFINE_ROW(KIND, MC)                                                                                   \
+    static void row_##KIND##_##MC(const weights_t *w, int64_t n, const float *x, const float *xsum, float *y) { \
+        row_blocks(w, n, x, xsum, KIND, MC, y);                                                                \
+    }
+#define DEFINE_ROWS(KIND) DEFINE_ROW(KIND, 1) DEFINE_ROW(KIND, 2) DEFINE_ROW(KIND, 4)
+DEFINE_ROWS(KIND_F32)
+DEFINE_ROWS(KIND_BF16)
+DEFINE_ROWS(KIND_INT4)
+DEFINE_ROWS(KIND_INT8)
+#define ROWS_OF(KIND, MC) ((MC) == 4 ? row_##KIND##_4 : (MC) == 2 ? row_##KIND##_2 : row_##KIND##_1)
+
+/* The kernel for a weight kind and a chunk of 1, 2 or 4 rows of x, each specialised at compile time. */
+static row_fn row_kernel(int kind, int mc) {
+    switch (kind) {
+    case KIND_F32: return ROWS_OF(KIND_F32, mc);
+    case KIND_BF16: return ROWS_OF(KIND_BF16, mc);
+    case KIND_INT4: return ROWS_OF(KIND_INT4, mc);
+    default: return ROWS_OF(KIND_INT8, mc);
+    }
+}
+
+static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float *x, int64_t m_total,
+                         const float *xsum, const float *bias, float *out) {
+    for (int64_t m0 = 0; m0 < m_total;) {
+        const int mc = m_total - m0 >= 4 ? 4 : m_total - m0 >= 2 ? 2 : 1;
+        const row_fn kernel = row_kernel(w->kind, mc);
+        const float *xm = x + m0 * w->k;
+        for (int64_t n = n0; n < n1; n++) {
+            float y[MAX_MC];
+            kernel(w, n, xm, xsum + m0 * w->groups, y);
+            for (int m = 0; m < mc; m++)
+                out[(m0 + m) * w->n + n] = y[m] + row_tail(w, n, xm + m * w->k) + (bias ? bias[n] : 0.f);
+        }
+        m0 += mc;
+    }
+}
+
+/* out[m_total, n] = x[m_total, k] (float32, contiguous) times the weight's transpose (+ bias, float32 or NULL).
+   kind: 0 float32 / 1 bfloat16 weight [n, k]; 4 / 8: packed int4 / int8 with scales and zeros
+   [n, groups]. Rows of the weight are shared among the threads, each read once for every x row.
+   Returns 0, or -1 when scratch memory ran out. */
+int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *weight, int64_t row_bytes,
+                       int kind, const float *scales, const float *zeros, int64_t groups, int64_t group_size,
+                       const float *bias, float *out, int64_t n, int num_threads) {
+    const int quantized = kind == KIND_INT4 || kind == KIND_INT8;
+    const weights_t w = {weight, row_bytes, n, k, quantized ? groups : 1, quantized ? group_size : k + BLOCK,
+                         scales, zeros, kind};
+    /* x summed per group over the full blocks, for the zero points. */
+    float *xsum = calloc((size_t)(m_total * w.groups), sizeof(float));
+    if (!xsum) return -1;
+    if (quantized)
+        for (int64_t m = 0; m < m_total; m++)
+            for (int64_t i = 0; i < k / BLOCK * BLOCK; i++) xsum[m * w.groups + i / group_size] += x[m * k + i];
+    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < n ? n0 + ROWS_PER_TASK : n;
+        rows_times_x(&w, n0, n1, x, m_total, xsum, bias, out);
+    }
+    free(xsum);
+    return 0;
+}
+
+/* out[n, k] = the float32 weight of a packed int4 / int8 matrix (for large batches, which then run a GEMM). */
+void weight_only_dequantize(const void *weight, int64_t row_bytes, int kind, const float *scales,
+                            const float *zeros, int64_t groups, int64_t group_size, int64_t n, int64_t k,
+                            float *out, int num_threads) {
+    const weights_t w = {weight, row_bytes, n, k, groups, group_size, scales, zeros, kind};
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *row = w.data + r * row_bytes;
+        float *dst = out + r * k;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t lo = g * group_size, hi = lo + group_size < k ? lo + group_size : k;
+            const float scale = scales[r * groups + g], zero = zero_point(&w, r, g);
+            int64_t i = lo;
+#if USE_AVX2
+            const __m256 vscale = _mm256_set1_ps(scale), vzero = _mm256_set1_ps(zero);
+            for (; i + BLOCK <= hi; i += BLOCK) {
+                __m256 v[4];
+                if (kind == KIND_INT4) load_block(KIND_INT4, row, i / BLOCK, v);
+                else load_block(KIND_INT8, row, i / BLOCK, v);
+                for (int j = 0; j < 4; j++)
+                    _mm256_storeu_ps(dst + i + 8 * j, _mm256_mul_ps(_mm256_sub_ps(v[j], vzero), vscale));
+            }
+#endif
+            for (; i < hi; i++) dst[i] = (load_value(&w, row, i) - zero) * scale;
+        }
+    }
+}

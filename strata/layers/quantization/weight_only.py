@@ -1,0 +1,149 @@
+"""Weight-only quantized linear layers (int4 / int8 weights, float activations): the one packed layout strata
+keeps in memory, `pack_weight` to build it from unsigned integers, scales and zero points, and
+`weight_only_linear` to multiply by it (a C kernel on CPU, dequantize-then-matmul elsewhere).
+
+Layout (one copy serves every batch size): K is padded to a multiple of 32 and cut into blocks of 32 values.
+int8 stores one unsigned byte per value; int4 stores a block in 16 bytes, byte j holding value j in its low
+nibble and value j + 16 in its high nibble (so a SIMD register unpacks into two runs of 16 in order).
+Scales (and zero points, when asymmetric) are float32 `[N, groups]`; a group covers `group_size` values of K
+(a multiple of 32; per channel: all of K) and the last one may be short.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from strata.layers.quantization import cpu_matmul
+
+BLOCK = 32
+# Rows up to which the C kernel beats dequantizing tiles for oneDNN's GEMM (about even at 16 on a Zen 4 core).
+SMALL_BATCH = 16
+TILE_BYTES = 1 << 20  # a tile of the float32 weight, kept in L2 for its GEMM
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One rank's weight: w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // group_size."""
+
+    packed: torch.Tensor  # uint8 [N, padded_K * bits / 8]
+    scales: torch.Tensor  # float32 [N, groups]
+    zeros: torch.Tensor | None  # float32 [N, groups] in the unsigned domain; None: symmetric, 2^(bits-1)
+    bits: int
+    group_size: int  # -1: one scale per output channel
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this weight holds in memory (and reads per product at batch 1)."""
+        zeros = 0 if self.zeros is None else self.zeros.nbytes
+        return self.packed.nbytes + self.scales.nbytes + zeros
+
+    @property
+    def padded_in_features(self) -> int:
+        return _round_up(self.in_features, BLOCK)
+
+    @property
+    def effective_group_size(self) -> int:
+        """Values of K per scale (the padded K when per channel)."""
+        return self.padded_in_features if self.group_size == -1 else self.group_size
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        move = (lambda t: None if t is None else t.to(device))
+        return QuantizedWeight(move(self.packed), move(self.scales), move(self.zeros), self.bits, self.group_size,
+                               self.out_features, self.in_features)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _check(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group_size: int) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"weight-only quantization supports 4 or 8 bits, not {bits}")
+    if q.dim() != 2:
+        raise ValueError(f"quantized weight must be [out, in], got shape {tuple(q.shape)}")
+    if group_size != -1 and (group_size <= 0 or group_size % BLOCK):
+        raise ValueError(f"group size {group_size} is not supported: use -1 (per channel) or a multiple of {BLOCK}")
+    n, k = q.shape
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    if tuple(scales.shape) != (n, groups):
+        raise ValueError(f"scales must be [{n}, {groups}] for a [{n}, {k}] weight with group size {group_size}, "
+                         f"got {tuple(scales.shape)}")
+    if zeros is not None and tuple(zeros.shape) != tuple(scales.shape):
+        raise ValueError(f"zero points must have the scales' shape {tuple(scales.shape)}, got {tuple(zeros.shape)}")
+
+
+def pack_weight(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                group_size: int) -> QuantizedWeight:
+    """q: integer [N, K] with unsigned values 0 .. 2^bits - 1; scales: [N, ceil(K / group_size)] ([N, 1] per
+    channel); zeros: like scales, unsigned, or None for symmetric (zero point 2^(bits-1))."""
+    _check(q, scales, zeros, bits, group_size)
+    n, k = q.shape
+    values = q.to(torch.int32)
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= 1 << bits):
+        raise ValueError(f"quantized values must lie in 0..{(1 << bits) - 1} for {bits} bits")
+    padded = F.pad(values, (0, _round_up(k, BLOCK) - k)).to(torch.uint8)
+    if bits == 4:
+        blocks = padded.view(n, -1, 2, BLOCK // 2)
+        padded = blocks[:, :, 0] | (blocks[:, :, 1] << 4)
+    return QuantizedWeight(padded.reshape(n, -1).contiguous(), scales.to(torch.float32).contiguous(),
+                           None if zeros is None else zeros.to(torch.float32).contiguous(), bits, group_size, n, k)
+
+
+def unpack(w: QuantizedWeight) -> torch.Tensor:
+    """The unsigned integers [N, K] (int32) that `pack_weight` was given."""
+    n = w.out_features
+    if w.bits == 4:
+        blocks = w.packed.view(n, -1, 1, BLOCK // 2)
+        values = torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(n, -1)
+    else:
+        values = w.packed
+    return values[:, :w.in_features].to(torch.int32)
+
+
+def dequantize(w: QuantizedWeight) -> torch.Tensor:
+    """The float32 weight [N, K] (the reference every kernel is checked against)."""
+    group = w.effective_group_size
+    scales = w.scales.repeat_interleave(group, dim=1)[:, :w.in_features]
+    if w.zeros is None:
+        zeros = torch.full_like(scales, float(1 << (w.bits - 1)))
+    else:
+        zeros = w.zeros.repeat_interleave(group, dim=1)[:, :w.in_features]
+    return (unpack(w).to(torch.float32) - zeros) * scales
+
+
+def _dequantize_gemm(rows: torch.Tensor, w: QuantizedWeight, kind: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Large batches: a tile of output rows at a time is dequantized into a cache-sized float32 buffer and
+    multiplied there, so the float32 weight is never whole in memory and the GEMM reads it from cache."""
+    n, k = w.out_features, w.in_features
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    tile_rows = max(16, TILE_BYTES // (4 * k))
+    tile = torch.empty(min(tile_rows, n), k, dtype=torch.float32)
+    zeros = w.zeros
+    for n0 in range(0, n, tile_rows):
+        n1 = min(n, n0 + tile_rows)
+        dense = cpu_matmul.dequantize(w.packed[n0:n1], kind, k, w.scales[n0:n1],
+                                      None if zeros is None else zeros[n0:n1], w.effective_group_size, tile[:n1 - n0])
+        out[:, n0:n1] = cpu_matmul.gemm(rows, dense, None if bias is None else bias[n0:n1])
+    return out
+
+
+def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (float32 or bfloat16) times the weight: [..., N] in x's dtype. On CPU, up to
+    SMALL_BATCH rows run the C kernel (weights read once, dequantized in registers); more rows dequantize a
+    cache-sized tile of the weight at a time for oneDNN's GEMM. Elsewhere (CUDA, or no C compiler, which
+    native.py warns about) the plain-torch dequantize-then-matmul runs."""
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {w.in_features}")
+    rows = x.reshape(-1, w.in_features).to(torch.float32).contiguous()
+    kind = cpu_matmul.KIND_INT4 if w.bits == 4 else cpu_matmul.KIND_INT8
+    if x.device.type != "cpu" or not cpu_matmul.available():
+        y = F.linear(rows, dequantize(w), None if bias is None else bias.to(torch.float32))
+    elif rows.shape[0] <= SMALL_BATCH:
+        y = cpu_matmul.matmul(rows, w.packed, kind, w.out_features, w.scales, w.zeros, w.effective_group_size, bias)
+    else:
+        y = _dequantize_gemm(rows, w, kind, None if bias is None else bias.to(torch.float32))
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)

@@ -1,0 +1,34 @@
+"""`strata bench latency` times decode steps and reports tokens/s and weight bandwidth from the same figures."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from strata.cli import main
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_bench_latency_reports_consistent_tokens_per_second_and_bandwidth(llama_tied, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    rc = main(["bench", "latency", "--model", str(llama_tied), "--batch-size", "2", "--input-len", "5",
+               "--output-len", "6", "--num-iters-warmup", "0", "--num-iters", "1", "--dtype", "float32",
+               "--max-model-len", "64", "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "output tokens/s" in printed and "Effective weight bandwidth" in printed
+    assert result["time_per_output_token"] > 0
+    assert result["output_tokens_per_second"] == pytest.approx(2 / result["time_per_output_token"])
+    # A float32 checkpoint with tied embeddings holds exactly the model's parameters.
+    with safe_open(str(llama_tied / "model.safetensors"), "pt") as f:
+        assert result["weight_bytes"] == sum(_numel(f.get_slice(k).get_shape()) * 4 for k in f.keys())
+    assert result["weight_bandwidth_gb_per_s"] == pytest.approx(result["weight_bytes"] / result["time_per_output_token"]
+                                                                / 1e9)

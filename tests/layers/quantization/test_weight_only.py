@@ -1,0 +1,153 @@
+"""The packed weight-only layout round-trips, and every kernel path matches dequantize-then-matmul."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata import native
+from strata.layers.quantization import cpu_matmul, weight_only
+from strata.layers.quantization.weight_only import dequantize, pack_weight, unpack, weight_only_linear
+
+
+def _random_weight(n: int, k: int, bits: int, group_size: int, symmetric: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    q = torch.randint(0, 1 << bits, (n, k), generator=g)
+    scales = torch.rand(n, groups, generator=g) * 0.02 + 0.001
+    zeros = None if symmetric else torch.randint(0, 1 << bits, (n, groups), generator=g).float()
+    return q, scales, zeros
+
+
+def _reference(q, scales, zeros, bits, group_size):
+    k = q.shape[1]
+    group = k if group_size == -1 else group_size
+    s = scales.repeat_interleave(group, dim=1)[:, :k]
+    z = (torch.full_like(s, float(1 << (bits - 1))) if zeros is None
+         else zeros.repeat_interleave(group, dim=1)[:, :k])
+    return (q.float() - z) * s
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_pack_then_dequantize_gives_back_the_weight(bits, group_size, symmetric):
+    q, scales, zeros = _random_weight(37, 200, bits, group_size, symmetric)
+    w = pack_weight(q, scales, zeros, bits, group_size)
+    assert torch.equal(unpack(w), q.to(torch.int32))
+    torch.testing.assert_close(dequantize(w), _reference(q, scales, zeros, bits, group_size), rtol=0, atol=0)
+    assert w.nbytes == w.packed.nbytes + w.scales.nbytes + (0 if zeros is None else w.zeros.nbytes)
+    assert w.packed.shape == (37, 224 * bits // 8)
+
+
+def test_pack_refuses_bad_bits_group_sizes_and_values():
+    q, scales, zeros = _random_weight(8, 64, 4, 32, True)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        pack_weight(q, scales, zeros, 3, 32)
+    with pytest.raises(ValueError, match="group size 48"):
+        pack_weight(q, torch.rand(8, 2), None, 4, 48)
+    with pytest.raises(ValueError, match="scales must be"):
+        pack_weight(q, torch.rand(8, 3), None, 4, 32)
+    with pytest.raises(ValueError, match="0..15"):
+        pack_weight(q + 16, scales, None, 4, 32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 64, 300])
+@pytest.mark.parametrize("bits,group_size,symmetric", [(4, 32, True), (4, 64, False), (4, 128, True),
+                                                       (4, -1, False), (8, 32, False), (8, 64, True),
+                                                       (8, 128, False), (8, -1, True)])
+def test_weight_only_linear_matches_dequantize_then_matmul(m, bits, group_size, symmetric, threads):
+    n, k = 75, 200  # neither a multiple of 64; K ends in a partial block and (for 64/128) a partial group
+    q, scales, zeros = _random_weight(n, k, bits, group_size, symmetric, seed=m)
+    w = pack_weight(q, scales, zeros, bits, group_size)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = weight_only_linear(x, w, bias)
+    finally:
+        torch.set_num_threads(before)
+    reference = x.double() @ _reference(q, scales, zeros, bits, group_size).double().T + bias.double()
+    torch.testing.assert_close(y.double(), reference, rtol=1e-4, atol=1e-4)
+
+
+def _kernel_cases(n: int, k: int):
+    """(kind, weight rows, scales, zeros, effective group, reference weight) for every kind the kernel reads."""
+    g = torch.Generator().manual_seed(3)
+    dense = torch.randn(n, k, generator=g)
+    yield cpu_matmul.KIND_F32, dense, None, None, -1, dense
+    yield cpu_matmul.KIND_BF16, dense.bfloat16(), None, None, -1, dense.bfloat16().float()
+    for bits, group_size, symmetric in [(4, 32, False), (4, 128, True), (4, -1, True), (8, 64, False),
+                                        (8, -1, False)]:
+        q, scales, zeros = _random_weight(n, k, bits, group_size, symmetric)
+        w = pack_weight(q, scales, zeros, bits, group_size)
+        kind = cpu_matmul.KIND_INT4 if bits == 4 else cpu_matmul.KIND_INT8
+        yield kind, w.packed, w.scales, w.zeros, w.effective_group_size, _reference(q, scales, zeros, bits,
+                                                                                      group_size)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 64, 300])
+def test_small_batch_kernel_matches_the_reference_for_every_kind(m, threads):
+    n, k = 45, 232
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for kind, weight, scales, zeros, group, reference in _kernel_cases(n, k):
+            y = cpu_matmul.matmul(x, weight, kind, n, scales, zeros, group)
+            torch.testing.assert_close(y.double(), x.double() @ reference.double().T, rtol=1e-4, atol=1e-4,
+                                       msg=lambda e, kind=kind: f"kind {kind}: {e}")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kernel_dequantize_matches_the_reference():
+    for kind, weight, scales, zeros, group, reference in _kernel_cases(45, 232):
+        if scales is not None:
+            torch.testing.assert_close(cpu_matmul.dequantize(weight, kind, 232, scales, zeros, group), reference)
+
+
+def test_portable_c_build_matches_the_reference(tmp_path, monkeypatch):
+    """The plain-C fallback (for CPUs without AVX2/FMA), built here with the SIMD path switched off."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(native.__file__).with_name("csrc") / "weight_only.c"
+    target = tmp_path / "weight_only_portable.so"
+    subprocess.run([compiler, "-O2", "-fopenmp", "-shared", "-fPIC", "-DSTRATA_PORTABLE", str(source), "-o",
+                    str(target), "-lm"], check=True)
+    monkeypatch.setattr(native, "load", lambda name: ctypes.CDLL(str(target)))
+    cpu_matmul._library.cache_clear()
+    try:
+        x = torch.randn(3, 232, generator=torch.Generator().manual_seed(0))
+        for kind, weight, scales, zeros, group, reference in _kernel_cases(45, 232):
+            y = cpu_matmul.matmul(x, weight, kind, 45, scales, zeros, group)
+            torch.testing.assert_close(y.double(), x.double() @ reference.double().T, rtol=1e-4, atol=1e-4)
+    finally:
+        cpu_matmul._library.cache_clear()
+
+
+def test_bfloat16_input_gives_bfloat16_output_close_to_float32():
+    q, scales, zeros = _random_weight(40, 96, 4, 32, False)
+    w = pack_weight(q, scales, zeros, 4, 32)
+    x = torch.randn(2, 96)
+    y = weight_only_linear(x.bfloat16(), w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), weight_only_linear(x.bfloat16().float(), w), rtol=1e-2, atol=1e-2)
+
+
+def test_large_batches_tile_the_weight_and_still_match(monkeypatch):
+    monkeypatch.setattr(weight_only, "TILE_BYTES", 4 * 200 * 16)  # 16 rows a tile: 5 tiles, the last short
+    q, scales, zeros = _random_weight(75, 200, 4, 64, False)
+    w = pack_weight(q, scales, zeros, 4, 64)
+    x = torch.randn(40, 200)
+    bias = torch.randn(75)
+    reference = x.double() @ _reference(q, scales, zeros, 4, 64).double().T + bias.double()
+    torch.testing.assert_close(weight_only_linear(x, w, bias).double(), reference, rtol=1e-4, atol=1e-4)
