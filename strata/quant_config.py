@@ -127,8 +127,8 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
         if fmt == PACKED and acts:
             raise ConfigError(f"{where}.input_activations: pack-quantized weights with quantized activations are "
                               "not supported (W4A16/W8A16 only)", param="quantization")
-        if acts and not acts.get("dynamic") and fmt == INT8_W8A8:
-            raise ConfigError(f"{where}.input_activations: static int8 activation scales are not supported "
+        if acts and not acts.get("dynamic"):
+            raise ConfigError(f"{where}.input_activations: static activation scales are not supported "
                               "(dynamic per-token only)", param="quantization")
         if acts and acts.get("dynamic") and acts.get("strategy") not in ("token", "tensor"):
             raise ConfigError(f"{where}.input_activations.strategy {acts.get('strategy')!r} is not supported "
@@ -170,8 +170,10 @@ def _fp8(raw: dict[str, Any]) -> QuantConfig:
     if raw.get("weight_block_size"):
         raise ConfigError("quantization_config.weight_block_size: block-wise FP8 is not supported",
                           param="quantization")
-    dynamic = raw.get("activation_scheme", "dynamic") == "dynamic"
-    scheme = LinearScheme(FP8, 8, 0, True, dynamic_activations=dynamic)
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError(f"quantization_config.activation_scheme={raw.get('activation_scheme')!r} is not "
+                          "supported (dynamic)", param="quantization")
+    scheme = LinearScheme(FP8, 8, 0, True, dynamic_activations=True)
     return QuantConfig("fp8", ((("Linear",), scheme),), tuple(raw.get("ignored_layers") or ()))
 
 

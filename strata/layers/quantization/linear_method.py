@@ -121,8 +121,13 @@ def _load_stored(layer: PackableLinear, lay: TensorLayout, suffix: str, param: t
     if lay.in_dim is not None:
         start, size = layer.in_range()
         loaded = _narrow(loaded, lay.in_dim, start, size, lay.in_div, suffix)
-    if lay.out_dim is None:
+    if lay.out_dim is None:  # g_idx: the fused projections of one input must share it
+        if getattr(param, "loaded_from", None) is not None and param.device.type != "meta" and \
+                not torch.equal(param.data, loaded.to(param.dtype)):
+            raise ValueError(f"{suffix} differs between the projections fused into one layer "
+                             f"({param.loaded_from} and {shard_id})")
         _copy_checked(param, loaded, suffix)
+        param.loaded_from = shard_id
         return
     for offset, start, size in layer.out_pieces(shard_id):
         if lay.per_tensor:

@@ -1,7 +1,7 @@
 """Quantize a checkpoint with llm-compressor's `oneshot` (run in llm-compressor's own environment, by subprocess).
 
-usage: python write_llmcompressor_checkpoint.py BASE_FOLDER OUT_FOLDER SCHEME [IGNORE_REGEX ...]
-SCHEME is one of llm-compressor's preset names (W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC) or
+usage: python write_llmcompressor_checkpoint.py BASE_FOLDER OUT_PARENT SCHEME [SCHEME ...]
+writes OUT_PARENT/SCHEME for each; SCHEME is one of llm-compressor's preset names (W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC) or
 W4A16_G32 / W4A16_G64 / W4A16_CHANNEL / W4A16_ASYM_G64 / W8A16_G128 (int weights, one group size / strategy).
 """
 import shutil
@@ -28,10 +28,15 @@ def scheme_for(name: str):
 
 
 def main() -> None:
-    base, out, name, *ignore = sys.argv[1:]
+    base, parent, *names = sys.argv[1:]
+    for name in names:
+        write(base, str(Path(parent) / name), name)
+
+
+def write(base: str, out: str, name: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(base, torch_dtype="auto")
     chosen = scheme_for(name)
-    kwargs = {"targets": ["Linear"], "ignore": ["lm_head", *ignore]}
+    kwargs = {"targets": ["Linear"], "ignore": ["lm_head"]}
     if chosen["scheme"]:
         kwargs["scheme"] = chosen["scheme"]
     else:
