@@ -13,6 +13,7 @@ from torch import nn
 
 from strata.errors import ConfigError
 from strata.layers.linear import PackableLinear, _copy_checked
+from strata.layers.moe import FusedMoE
 from strata.layers.quantization.formats import Canonical, TensorLayout, layouts, to_canonical
 from strata.layers.quantization.weight_only import QuantizedWeight, pack_weight, weight_only_linear
 from strata.quant_config import FP8, INT8_W8A8, LinearScheme, QuantConfig
@@ -153,6 +154,10 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tup
     stacked = list(stacked)
     counts = {"quantized": 0, "left as stored": 0}
     for name, module in list(model.named_modules()):
+        if isinstance(module, FusedMoE) and quant.scheme_for([f"{name}.0.gate_proj"]) is not None:
+            raise ConfigError(f"{name}: quantized routed experts are not supported yet; list them in the "
+                              "checkpoint's quantization ignore (the attention, dense and shared-expert layers "
+                              "may stay quantized)", param="quantization")
         if isinstance(module, PackableLinear) and isinstance(getattr(module, "weight", None), nn.Parameter):
             scheme = quant.scheme_for(checkpoint_module_names(name, stacked))
             if scheme is not None:

@@ -1,7 +1,8 @@
 """Quantize a checkpoint with llm-compressor's `oneshot` (run in llm-compressor's own environment, by subprocess).
 
 usage: python write_llmcompressor_checkpoint.py BASE_FOLDER OUT_PARENT SCHEME [SCHEME ...]
-writes OUT_PARENT/SCHEME for each; SCHEME is one of llm-compressor's preset names (W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC) or
+writes OUT_PARENT/SCHEME for each; SCHEME is one of llm-compressor's preset names (W4A16, W4A16_ASYM,
+W8A16, W8A8, FP8_DYNAMIC) or
 W4A16_G32 / W4A16_G64 / W4A16_CHANNEL / W4A16_ASYM_G64 / W8A16_G128 (int weights, one group size / strategy).
 """
 import shutil
