@@ -180,3 +180,12 @@ def test_quantization_option_insists_on_the_checkpoint_method(compressed, quant_
         EngineConfig.create(str(compressed["W4A16"]), quantization="gptq")
     with pytest.raises(ConfigError, match="has no quantization_config"):
         EngineConfig.create(str(quant_base), quantization="awq")
+
+
+def test_plan_counts_the_stored_quantized_bytes(compressed, quant_base):
+    from strata.plan import plan_layout
+    quantized = plan_layout(EngineConfig.create(str(compressed["W4A16"])))[0].param_bytes
+    full = plan_layout(EngineConfig.create(str(quant_base)))[0].param_bytes
+    embed_and_head = 2 * 320 * 128 * 4  # float32 embedding and LM head (ignored) stay as they are
+    # 4-bit linear weights: an eighth of their float32 bytes, plus scales.
+    assert quantized - embed_and_head < (full - embed_and_head) / 6
