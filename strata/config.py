@@ -16,6 +16,7 @@ from strata import model_registry as registry
 from strata.distributed import pad_vocab, pp_partition
 from strata.engine_args import KERNELS, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
 from strata.errors import ConfigError
+from strata.quant_config import QuantConfig, parse_quant_config, quant_tp_problem
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ class ModelConfig:
     architecture: str
     dtype: torch.dtype
     max_model_len: int
-    quantization: str | None = None
+    quantization: str | None = None  # experts_int8, or the checkpoint's quantization method
+    quant_config: QuantConfig | None = None  # how the checkpoint's linear layers are stored
 
     @property
     def text_config(self) -> HFConfig:
@@ -163,8 +165,9 @@ class ModelConfig:
         elif max_model_len > derived_len:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                            max_model_len, derived_len)
+        quant = parse_quant_config(hf._values.get("quantization_config"), quantization)
         return cls(str(folder), hf, architecture, parse_dtype(dtype, checkpoint_dtype), max_model_len,
-                   quantization)
+                   quant.method if quant else quantization, quant)
 
 
 @dataclass(frozen=True)
@@ -284,7 +287,8 @@ def _check_options(args: EngineArgs) -> None:
         raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {args.kv_cache_memory}",
                           param="kv_cache_memory")
     if args.quantization not in (None, *QUANTIZATIONS):
-        raise ConfigError(f"quantization {args.quantization!r} is not supported (supported: experts_int8)",
+        raise ConfigError(f"quantization {args.quantization!r} is not supported (supported: "
+                          f"{', '.join(QUANTIZATIONS)})",
                           param="quantization")
     if args.mamba_ssm_cache_dtype not in SSM_STATE_DTYPES:
         raise ConfigError(f"mamba_ssm_cache_dtype {args.mamba_ssm_cache_dtype!r} is not one of auto, float32, "
@@ -309,6 +313,7 @@ def validate_parallel(config: EngineConfig) -> None:
     if tp > 1:
         _check_tp(tp, text)
         _check_vision_tp(tp, config.model.hf_config.get("vision_config"))
+        _check_quant_tp(tp, config.model.quant_config, text)
     _check_pp(pp, par.pp_layer_partition, text.num_hidden_layers)
     _check_nodes(par)
     _check_devices(config, tp * pp)
@@ -365,6 +370,27 @@ def tp_problem(tp: int, text: HFConfig) -> str | None:
         return (f"tensor_parallel_size={tp} must divide the padded vocabulary {pad_vocab(vocab)} "
                 f"(vocab_size={vocab} rounded up to a multiple of 64)")
     return None
+
+
+def row_parallel_inputs(text: HFConfig) -> dict[str, int]:
+    """The input widths of layers split along their inputs across TP ranks (o_proj, down_proj, out_proj)."""
+    sizes = {name: text.get(name) for name in ("intermediate_size", "intermediate_size_mlp",
+                                                "moe_intermediate_size")}
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    if isinstance(heads, int) and isinstance(hidden, int):
+        sizes["num_attention_heads * head_dim"] = heads * (text.get("head_dim") or hidden // heads)
+    if isinstance(text.get("expand"), int) and isinstance(hidden, int):  # Mamba2's inner width
+        sizes["expand * hidden_size"] = text.get("expand") * hidden
+    if isinstance(text.get("mamba_num_heads"), int):  # PLaMo2's Mamba inner width
+        sizes["mamba_num_heads * hidden_size_per_head"] = text.get("mamba_num_heads") * text.get(
+            "hidden_size_per_head", 128)
+    return {k: v for k, v in sizes.items() if isinstance(v, int)}
+
+
+def _check_quant_tp(tp: int, quant: QuantConfig | None, text: HFConfig) -> None:
+    problem = quant and quant_tp_problem(tp, quant, row_parallel_inputs(text))
+    if problem:
+        raise ConfigError(problem, param="tensor_parallel_size")
 
 
 def valid_tp_sizes(text: HFConfig, limit: int = 64) -> list[int]:

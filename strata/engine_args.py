@@ -10,7 +10,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 SSM_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("experts_int8",)
+QUANTIZATIONS = ("experts_int8", "compressed-tensors", "gptq", "awq", "fp8")
 KERNELS = ("auto", "torch", "triton")
 
 
@@ -59,8 +59,9 @@ class EngineArgs:
                                                        "(default: on, off for hybrid models)")
     mamba_ssm_cache_dtype: str = _option("float32", "dtype of the Mamba SSM state (auto = the model dtype)",
                                          choices=SSM_STATE_DTYPES)
-    quantization: str | None = _option(None, "quantize while loading (experts_int8: the MoE experts)", short="-q",
-                                       choices=QUANTIZATIONS)
+    quantization: str | None = _option(None, "experts_int8 quantizes the MoE experts while loading; a quantized "
+                                       "checkpoint's method (compressed-tensors, gptq, awq, fp8) is detected, "
+                                       "and naming it insists on it", short="-q", choices=QUANTIZATIONS)
     seed: int = _option(0, "seed of requests that set none")
     device: str = _option("auto", "auto, cpu, cuda or cuda:N")
     kernels: str = _option("auto", "attention and Mamba kernels: auto (Triton on CUDA, plain torch on CPU), torch, "

@@ -43,14 +43,41 @@ def pack_linear_weights(model: nn.Module) -> int:
 
 
 class PackableLinear(nn.Module):
-    """A layer whose `weight` ([out, in]) only ever goes through `linear`, so it may be packed."""
+    """A layer whose `weight` ([out, in]) only ever goes through `linear`, so it may be packed.
+
+    A quantized checkpoint replaces `weight` by its stored tensors and sets `quant` (a method from
+    strata.layers.quantization), which then computes the product. `out_pieces` and `in_range` say which part
+    of a checkpoint tensor this rank holds, so that those tensors shard like the weight does.
+    """
 
     weight: nn.Parameter
+    quant = None
+    splits_inputs = False  # row-parallel: each rank holds a slice of the inputs
 
     def pack_weight(self) -> int:
-        if can_pack(self.weight):
+        if self.quant is not None:
+            self.quant.finish(self)
+        elif can_pack(self.weight):
             self.weight = packed(self.weight)
         return 0
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        return linear(x, self.weight, bias)
+
+    def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
+        """(offset in this rank's outputs, start in the checkpoint tensor, size) of each piece it loads."""
+        return [(0, 0, self.local_shape[0])]
+
+    def in_range(self) -> tuple[int, int]:
+        """(start, size) of this rank's inputs in the checkpoint tensor."""
+        return 0, self.local_shape[1]
+
+    @property
+    def local_shape(self) -> tuple[int, int]:
+        """(outputs, inputs) of this rank's weight, quantized or not."""
+        return (self.quant.n, self.quant.k) if self.quant is not None else tuple(self.weight.shape)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
@@ -89,7 +116,7 @@ class ReplicatedLinear(PackableLinear):
         self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(PackableLinear):
@@ -109,8 +136,11 @@ class ColumnParallelLinear(PackableLinear):
         _copy_checked(param, shard_dim(loaded, 0, self.pc.tp_rank, self.pc.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return self.pc.all_gather(y) if self.gather_output else y
+
+    def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
+        return [(0, self.pc.tp_rank * self.out_per_rank, self.out_per_rank)]
 
     def collectives(self, step: StepSize) -> list[Collective]:
         if not self.gather_output:
@@ -136,6 +166,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // tp
         _copy_checked(param.data.narrow(0, offset, size), shard_dim(loaded, 0, self.pc.tp_rank, tp))
 
+    def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
+        tp, rank = self.pc.tp_size, self.pc.tp_rank
+        local = [size // tp for size in self.output_sizes]
+        pieces = [(sum(local[:i]), sum(self.output_sizes[:i]) + rank * local[i], local[i])
+                  for i in range(len(local))]
+        return pieces if shard_id is None else [(pieces[shard_id][0], rank * local[shard_id], local[shard_id])]
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; KV heads are replicated when there are fewer of them than TP ranks."""
@@ -157,16 +194,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_heads * self.head_dim, kv, kv
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        [(offset, start, size)] = self.out_pieces(shard_id)
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+
+    def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
         q, kv, _ = self.sizes
         if shard_id == "q":
-            offset, size, rank = 0, q, self.pc.tp_rank
-        elif shard_id in ("k", "v"):
-            offset = q if shard_id == "k" else q + kv
-            size, rank = kv, self.pc.tp_rank // self.kv_replicas
-        else:
-            raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-        piece = loaded.narrow(0, rank * size, size)
-        _copy_checked(param.data.narrow(0, offset, size), piece)
+            return [(0, self.pc.tp_rank * q, q)]
+        if shard_id in ("k", "v"):
+            rank = self.pc.tp_rank // self.kv_replicas
+            return [(q if shard_id == "k" else q + kv, rank * kv, kv)]
+        raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split(self.sizes, dim=-1)
@@ -175,13 +213,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(PackableLinear):
     """Input features split across TP ranks; partial outputs are summed with an all-reduce."""
 
+    splits_inputs = True
+
     def __init__(self, in_features: int, out_features: int, pc: ParallelContext, bias: bool = False,
                  reduce_results: bool = True, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if in_features % pc.tp_size:
             raise ValueError(f"in_features {in_features} is not divisible by tp_size {pc.tp_size}")
         self.pc, self.reduce_results = pc, reduce_results
-        self.out_features, self.dtype = out_features, dtype
+        self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
         self.weight = _param((out_features, in_features // pc.tp_size), dtype, self.weight_loader)
         self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
 
@@ -191,8 +231,12 @@ class RowParallelLinear(PackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added on one rank only, so the all-reduce counts it once.
         bias = self.bias if self.pc.tp_rank == 0 else None
-        y = linear(x, self.weight, bias)
+        y = self.matmul(x, bias)
         return self.pc.all_reduce(y) if self.reduce_results else y
+
+    def in_range(self) -> tuple[int, int]:
+        size = self.in_features // self.pc.tp_size
+        return self.pc.tp_rank * size, size
 
     def collectives(self, step: StepSize) -> list[Collective]:
         if not self.reduce_results:  # the caller reduces the partial sums, and reports it

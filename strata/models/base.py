@@ -18,6 +18,7 @@ from strata.distributed import IntermediateTensors, ParallelContext, pp_layer_ra
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
+from strata.layers.quantization.linear_method import finish_quantized, quantize_linears
 from strata.models import loader
 
 
@@ -77,6 +78,8 @@ class CausalLM(nn.Module):
             for i in range(args.num_layers)))
         self._place(names.norm, pc.is_last_stage, lambda: RMSNorm(args.hidden_size, args.norm_eps, self.dtype))
         self._place("lm_head", pc.is_last_stage, self._make_lm_head)
+        if config.quant_config is not None:
+            quantize_linears(self, config.quant_config, self.stacked_params)
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder layer `index` (global), called only for this stage's layers."""
@@ -125,6 +128,7 @@ class CausalLM(nn.Module):
             return self.rename_weight(name)
 
         loader.load_weights(self, weights, self.stacked_params, rename, self.missing_prefixes)
+        finish_quantized(self)
 
     def _make_lm_head(self) -> ParallelLMHead:
         head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size, self.pc, self.dtype)

@@ -172,6 +172,7 @@ class Llama4ForCausalLM(CausalLM):
     args: Llama4Args
     args_class = Llama4Args
     ignored_weights = ("rotary_emb.inv_freq",)
+    stacked_params = QKV_GATE_UP  # what the dense layers fuse; loading adds the experts' mapping
 
     def __init__(self, config: ModelConfig, pc: ParallelContext,
                  layer_partition: tuple[int, ...] | None = None) -> None:

@@ -1,0 +1,176 @@
+"""Linear layers of a quantized checkpoint: their stored tensors replace `weight`, each loaded through a loader that
+keeps this rank's part along the right dimension; after loading they become one canonical `QuantizedWeight`
+(FP8 stays FP8 and is widened per call)."""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.errors import ConfigError
+from strata.layers.linear import PackableLinear, _copy_checked
+from strata.layers.moe import FusedMoE
+from strata.layers.quantization.formats import Canonical, TensorLayout, layouts, to_canonical
+from strata.layers.quantization.weight_only import QuantizedWeight, pack_weight, weight_only_linear
+from strata.quant_config import FP8, INT8_W8A8, LinearScheme, QuantConfig
+
+logger = logging.getLogger(__name__)
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class QuantizedLinearMethod:
+    """What a quantized layer computes with; it holds no parameters (those stay on the layer, by name)."""
+
+    def __init__(self, scheme: LinearScheme, out_features: int, in_features: int) -> None:
+        self.scheme, self.n, self.k = scheme, out_features, in_features
+        self.weight: QuantizedWeight | None = None
+        self.perm: torch.Tensor | None = None
+
+    def finish(self, layer: PackableLinear) -> None:
+        """Loaded stored tensors -> the canonical weight; the stored tensors are dropped."""
+        if self.scheme.format == FP8 or self.weight is not None:
+            return
+        names = list(layouts(self.scheme, self.k))
+        stored = {name: getattr(layer, name).data for name in names}
+        canonical: Canonical = to_canonical(self.scheme, stored, self.n, self.k)
+        groups = canonical.scales.shape[1]
+        group_size = -1 if groups == 1 else self.k // groups
+        self.weight = pack_weight(canonical.q, canonical.scales, canonical.zeros, self.scheme.bits, group_size)
+        self.perm = canonical.perm
+        for name in names:
+            delattr(layer, name)
+
+    def apply(self, layer: PackableLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.scheme.format == FP8:
+            if self.scheme.dynamic_activations:
+                x = fake_quantize_per_token(x, FP8_MAX, torch.float8_e4m3fn)
+            # Widened for this product only: the stored weight stays FP8.
+            w = layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype)
+            return F.linear(x, w, bias)
+        if self.weight is None:
+            raise RuntimeError("a quantized layer ran before its weights were loaded and finished")
+        if self.perm is not None:
+            x = x[..., self.perm]
+        if self.scheme.format == INT8_W8A8 and self.scheme.dynamic_activations:
+            x = fake_quantize_per_token(x, 127.0, None)
+        return weight_only_linear(x, self.weight, bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes if self.weight is not None else 0
+
+
+def fake_quantize_per_token(x: torch.Tensor, qmax: float, dtype: torch.dtype | None) -> torch.Tensor:
+    """x rounded as a per-token (row) quantization to int8 (dtype None) or FP8 would round it; the integer
+    product then equals the float product of these values."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
+    scaled = x.float() / scale
+    rounded = scaled.round().clamp(-qmax, qmax) if dtype is None else scaled.to(dtype).float()
+    return (rounded * scale).to(x.dtype)
+
+
+def quantize_layer(layer: PackableLinear, scheme: LinearScheme, name: str) -> None:
+    """Replace `layer.weight` by the tensors `scheme` stores, with loaders that shard them like the weight."""
+    n, k = layer.weight.shape
+    tp = layer.pc.tp_size if layer.splits_inputs else 1
+    full_k = k * tp
+    if scheme.act_order and tp > 1:
+        raise ConfigError(f"{name}: activation-ordered groups (desc_act / actorder) cannot be split across "
+                          f"tensor_parallel_size={tp} ranks along the inputs; use "
+                          "tensor_parallel_size=1 or a checkpoint without activation ordering",
+                          param="tensor_parallel_size")
+    device = layer.weight.device
+    del layer.weight
+    for suffix, lay in layouts(scheme, full_k).items():
+        param = nn.Parameter(torch.empty(_local_shape(lay, n, k), dtype=lay.dtype, device=device),
+                             requires_grad=False)
+        param.weight_loader = functools.partial(_load_stored, layer, lay, suffix)
+        layer.register_parameter(suffix, param)
+    layer.quant = QuantizedLinearMethod(scheme, n, k)
+
+
+def _local_shape(lay: TensorLayout, n: int, k: int) -> tuple[int, ...]:
+    if lay.out_dim is None:
+        return (2,) if lay.in_dim is None else (k // lay.in_div,)
+    shape = [1, 1]
+    shape[lay.out_dim] = n // lay.out_div
+    if lay.in_dim is not None:
+        shape[lay.in_dim] = k // lay.in_div
+    return tuple(shape)
+
+
+def _narrow(t: torch.Tensor, dim: int, start: int, size: int, div: int, what: str) -> torch.Tensor:
+    if start % div or size % div:
+        raise ValueError(f"{what}: rows {start}..{start + size} do not fall on whole stored elements of {div}")
+    if t.dim() <= dim or t.shape[dim] < (start + size) // div:
+        raise ValueError(f"{what}: expected at least {(start + size) // div} along dimension {dim}, "
+                         f"checkpoint has shape {tuple(t.shape)}")
+    return t.narrow(dim, start // div, size // div)
+
+
+def _load_stored(layer: PackableLinear, lay: TensorLayout, suffix: str, param: torch.Tensor,
+                 loaded: torch.Tensor, shard_id: object = None) -> None:
+    if lay.out_dim is None and lay.in_dim is None:  # weight_shape: the packed tensors' shapes are checked
+        if loaded.numel() != 2:
+            raise ValueError(f"{suffix} must hold 2 values, has shape {tuple(loaded.shape)}")
+        return
+    if lay.in_dim is not None:
+        start, size = layer.in_range()
+        loaded = _narrow(loaded, lay.in_dim, start, size, lay.in_div, suffix)
+    if lay.out_dim is None:  # g_idx: the fused projections of one input must share it
+        if getattr(param, "loaded_from", None) is not None and param.device.type != "meta" and \
+                not torch.equal(param.data, loaded.to(param.dtype)):
+            raise ValueError(f"{suffix} differs between the projections fused into one layer "
+                             f"({param.loaded_from} and {shard_id})")
+        _copy_checked(param, loaded, suffix)
+        param.loaded_from = shard_id
+        return
+    for offset, start, size in layer.out_pieces(shard_id):
+        if lay.per_tensor:
+            if loaded.numel() != 1:
+                raise ValueError(f"{suffix}: a per-tensor scale has one value, checkpoint has {tuple(loaded.shape)}")
+            param.data.narrow(0, offset, size).fill_(loaded.reshape(()).item() if loaded.device.type != "meta"
+                                                     else 0)
+            continue
+        piece = _narrow(loaded, lay.out_dim, start, size, lay.out_div, suffix)
+        target = _narrow(param.data, lay.out_dim, offset, size, lay.out_div, suffix)
+        _copy_checked(target, piece, suffix)
+
+
+def checkpoint_module_names(name: str, stacked: Iterable[tuple[str, str, object]]) -> list[str]:
+    """The checkpoint modules a (possibly fused) layer loads from: qkv_proj -> q_proj, k_proj, v_proj."""
+    dotted = name + "."
+    parts = [dotted.replace(fused, part) for fused, part, _ in stacked if fused in dotted and fused.endswith(".")]
+    return [p.rstrip(".") for p in parts] or [name]
+
+
+def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tuple[str, str, object]]) -> None:
+    """Give every linear layer the checkpoint stores quantized its scheme's tensors; ignored ones stay as they are."""
+    stacked = list(stacked)
+    counts = {"quantized": 0, "left as stored": 0}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FusedMoE) and quant.scheme_for([f"{name}.0.gate_proj"]) is not None:
+            raise ConfigError(f"{name}: quantized routed experts are not supported yet; list them in the "
+                              "checkpoint's quantization ignore (the attention, dense and shared-expert layers "
+                              "may stay quantized)", param="quantization")
+        if isinstance(module, PackableLinear) and isinstance(getattr(module, "weight", None), nn.Parameter):
+            scheme = quant.scheme_for(checkpoint_module_names(name, stacked))
+            if scheme is not None:
+                quantize_layer(module, scheme, name)
+            counts["quantized" if scheme else "left as stored"] += 1
+    logger.info("%s checkpoint: %d linear layers quantized, %d left as stored", quant.method,
+                counts["quantized"], counts["left as stored"])
+
+
+def finish_quantized(model: nn.Module) -> None:
+    """After loading: unpack the stored tensors of every quantized layer (not for a shapes-only meta model)."""
+    for module in model.modules():
+        if isinstance(module, PackableLinear) and module.quant is not None:
+            params = list(module.parameters(recurse=False))
+            if params and params[0].device.type != "meta":
+                module.quant.finish(module)

@@ -1,0 +1,189 @@
+"""Quantized checkpoint formats as read from config.json's `quantization_config` (compressed-tensors, GPTQ, AWQ,
+FP8): one frozen `LinearScheme` per group of linear layers, which layers it targets, and which it ignores.
+
+Everything here is checked before any process starts; an unsupported scheme is a ConfigError naming the field.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from strata.errors import ConfigError
+
+# vLLM's names, accepted by `quantization=` to insist on what the checkpoint declares.
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+EXPERTS_INT8 = "experts_int8"  # not a checkpoint format: quantizes the MoE experts while loading
+
+PACKED, INT8_W8A8, FP8, GPTQ, AWQ = "pack-quantized", "int-quantized", "float-quantized", "gptq", "awq"
+
+
+@dataclass(frozen=True)
+class LinearScheme:
+    """How one linear layer's weight is stored. `group_size` -1 = one scale per output channel, 0 = per tensor."""
+
+    format: str  # PACKED | INT8_W8A8 | FP8 | GPTQ | AWQ
+    bits: int
+    group_size: int
+    symmetric: bool
+    act_order: bool = False  # a g_idx tensor gives each input row's group
+    dynamic_activations: bool = False  # activations quantized per token at run time (W8A8 int8, FP8)
+    zeros_minus_one: bool = False  # GPTQ v1 stores zero points minus one
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str
+    groups: tuple[tuple[tuple[str, ...], LinearScheme], ...]  # (targets, scheme), first match wins
+    ignore: tuple[str, ...] = ()
+
+    def scheme_for(self, names: list[str]) -> LinearScheme | None:
+        """The scheme of the linear layer stored under checkpoint module `names` (several for a fused layer,
+        e.g. q_proj, k_proj and v_proj); None when the checkpoint leaves it unquantized."""
+        ignored = [_matches(self.ignore, n) for n in names]
+        if any(ignored) and not all(ignored):
+            raise ConfigError(f"quantization_config.ignore lists only some of {', '.join(names)}, which strata "
+                              "runs as one fused layer: quantize all of them or none", param="quantization")
+        if all(ignored):
+            return None
+        for targets, scheme in self.groups:
+            if any(t == "Linear" for t in targets) or all(_matches(targets, n) for n in names):
+                return scheme
+        return None
+
+    @property
+    def group_sizes(self) -> set[int]:
+        return {s.group_size for _, s in self.groups if s.group_size > 0}
+
+
+def _matches(patterns: tuple[str, ...], name: str) -> bool:
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif name == p or name.endswith("." + p):
+            return True
+    return False
+
+
+def parse_quant_config(raw: dict[str, Any] | None, requested: str | None) -> QuantConfig | None:
+    """config.json's `quantization_config` (and the user's `quantization=`) -> QuantConfig, or None."""
+    if requested == EXPERTS_INT8:
+        if raw:
+            raise ConfigError(f"quantization='experts_int8' quantizes full-precision experts, but this checkpoint "
+                              f"is already quantized ({raw.get('quant_method')}); leave quantization unset",
+                              param="quantization")
+        return None
+    if not raw:
+        if requested is not None:
+            raise ConfigError(f"quantization={requested!r} was asked for, but the checkpoint's config.json has no "
+                              "quantization_config", param="quantization")
+        return None
+    method = str(raw.get("quant_method", "")).lower().replace("_", "-")
+    if method not in CHECKPOINT_METHODS:
+        raise ConfigError(f"quantization_config.quant_method {raw.get('quant_method')!r} is not supported "
+                          f"(supported: {', '.join(CHECKPOINT_METHODS)})", param="quantization")
+    if requested is not None and requested != method:
+        raise ConfigError(f"quantization={requested!r} was asked for, but the checkpoint is {method}",
+                          param="quantization")
+    parse = {"compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq, "fp8": _fp8}[method]
+    return parse(raw)
+
+
+def _field(raw: dict[str, Any], key: str, where: str, allowed: tuple | None = None) -> Any:
+    if key not in raw:
+        raise ConfigError(f"{where}.{key} is missing", param="quantization")
+    value = raw[key]
+    if allowed is not None and value not in allowed:
+        raise ConfigError(f"{where}.{key}={value!r} is not supported (supported: "
+                          f"{', '.join(map(str, allowed))})", param="quantization")
+    return value
+
+
+def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
+    groups = []
+    for name, group in (raw.get("config_groups") or {}).items():
+        where = f"quantization_config.config_groups.{name}"
+        fmt = group.get("format") or raw.get("format")
+        _field({"format": fmt}, "format", where, (PACKED, INT8_W8A8, FP8))
+        weights = _field(group, "weights", where)
+        w_where = where + ".weights"
+        kind = _field(weights, "type", w_where, ("int", "float"))
+        bits = _field(weights, "num_bits", w_where, (4, 8) if kind == "int" else (8,))
+        strategy = _field(weights, "strategy", w_where, ("group", "channel") if kind == "int"
+                          else ("channel", "tensor"))
+        group_size = {"group": weights.get("group_size"), "channel": -1, "tensor": 0}[strategy]
+        if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+            raise ConfigError(f"{w_where}.group_size must be a positive integer with strategy 'group', "
+                              f"got {group_size!r}", param="quantization")
+        if (kind == "float") != (fmt == FP8) or (fmt == INT8_W8A8 and bits != 8):
+            raise ConfigError(f"{where}: format {fmt!r} does not store {bits}-bit {kind} weights",
+                              param="quantization")
+        acts = group.get("input_activations")
+        if fmt == PACKED and acts:
+            raise ConfigError(f"{where}.input_activations: pack-quantized weights with quantized activations are "
+                              "not supported (W4A16/W8A16 only)", param="quantization")
+        if acts and not acts.get("dynamic"):
+            raise ConfigError(f"{where}.input_activations: static activation scales are not supported "
+                              "(dynamic per-token only)", param="quantization")
+        if acts and acts.get("dynamic") and acts.get("strategy") not in ("token", "tensor"):
+            raise ConfigError(f"{where}.input_activations.strategy {acts.get('strategy')!r} is not supported "
+                              "(token or tensor)", param="quantization")
+        act_order = weights.get("actorder") == "group"
+        groups.append((tuple(group.get("targets") or ["Linear"]),
+                       LinearScheme(fmt, bits, group_size, bool(weights.get("symmetric", True)), act_order,
+                                    bool(acts))))
+    if not groups:
+        raise ConfigError("quantization_config.config_groups is empty", param="quantization")
+    return QuantConfig("compressed-tensors", tuple(groups), tuple(raw.get("ignore") or ()))
+
+
+def _gptq(raw: dict[str, Any]) -> QuantConfig:
+    where = "quantization_config"
+    bits = _field(raw, "bits", where, (4, 8))
+    group_size = int(_field(raw, "group_size", where))
+    v2 = raw.get("checkpoint_format") == "gptq_v2"
+    scheme = LinearScheme(GPTQ, bits, group_size, bool(raw.get("sym", True)), bool(raw.get("desc_act", False)),
+                          zeros_minus_one=not v2)
+    return QuantConfig("gptq", ((("Linear",), scheme),), tuple(raw.get("modules_to_not_convert") or ()))
+
+
+def _awq(raw: dict[str, Any]) -> QuantConfig:
+    where = "quantization_config"
+    bits = _field(raw, "w_bit", where, (4,)) if "w_bit" in raw else _field(raw, "bits", where, (4,))
+    group_size = int(raw.get("q_group_size", raw.get("group_size", 128)))
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ConfigError(f"{where}.version={version!r} is not supported (gemm)", param="quantization")
+    if not raw.get("zero_point", True):
+        raise ConfigError(f"{where}.zero_point=false is not supported (AWQ GEMM checkpoints are asymmetric)",
+                          param="quantization")
+    scheme = LinearScheme(AWQ, bits, group_size, False)
+    return QuantConfig("awq", ((("Linear",), scheme),), tuple(raw.get("modules_to_not_convert") or ()))
+
+
+def _fp8(raw: dict[str, Any]) -> QuantConfig:
+    if raw.get("weight_block_size"):
+        raise ConfigError("quantization_config.weight_block_size: block-wise FP8 is not supported",
+                          param="quantization")
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError(f"quantization_config.activation_scheme={raw.get('activation_scheme')!r} is not "
+                          "supported (dynamic)", param="quantization")
+    scheme = LinearScheme(FP8, 8, 0, True, dynamic_activations=True)
+    return QuantConfig("fp8", ((("Linear",), scheme),), tuple(raw.get("ignored_layers") or ()))
+
+
+def quant_tp_problem(tp: int, quant: QuantConfig, row_parallel_inputs: dict[str, int]) -> str | None:
+    """Why `tp` would cut a quantization group of a row-parallel layer (inputs split across ranks), else None."""
+    for group in sorted(quant.group_sizes):
+        for name, size in row_parallel_inputs.items():
+            if size % tp == 0 and (size // tp) % group:
+                works = [t for t in (1, 2, 4, 8, 16, 32, 64) if size % t == 0 and (size // t) % group == 0
+                         and all(s % t == 0 and (s // t) % group == 0 for s in row_parallel_inputs.values())]
+                return (f"tensor_parallel_size={tp} splits {name}={size} into {size // tp} inputs per rank, which "
+                        f"cuts a quantization group of {group}; sizes that work: {', '.join(map(str, works))}")
+    return None

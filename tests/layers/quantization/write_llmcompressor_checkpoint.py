@@ -1,0 +1,53 @@
+"""Quantize a checkpoint with llm-compressor's `oneshot` (run in llm-compressor's own environment, by subprocess).
+
+usage: python write_llmcompressor_checkpoint.py BASE_FOLDER OUT_PARENT SCHEME [SCHEME ...]
+writes OUT_PARENT/SCHEME for each; SCHEME is one of llm-compressor's preset names (W4A16, W4A16_ASYM,
+W8A16, W8A8, FP8_DYNAMIC) or
+W4A16_G32 / W4A16_G64 / W4A16_CHANNEL / W4A16_ASYM_G64 / W8A16_G128 (int weights, one group size / strategy).
+"""
+import shutil
+import sys
+from pathlib import Path
+
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from transformers import AutoModelForCausalLM
+
+
+def scheme_for(name: str):
+    base, _, variant = name.partition("_G")
+    if not variant and not name.endswith("_CHANNEL"):
+        return {"config_groups": None, "scheme": name}
+    bits = 4 if base.startswith("W4") else 8
+    symmetric = "ASYM" not in base
+    if name.endswith("_CHANNEL"):
+        weights = QuantizationArgs(num_bits=bits, symmetric=symmetric, strategy="channel")
+    else:
+        weights = QuantizationArgs(num_bits=bits, symmetric=symmetric, strategy="group", group_size=int(variant))
+    return {"config_groups": {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}, "scheme": None}
+
+
+def main() -> None:
+    base, parent, *names = sys.argv[1:]
+    for name in names:
+        write(base, str(Path(parent) / name), name)
+
+
+def write(base: str, out: str, name: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype="auto")
+    chosen = scheme_for(name)
+    kwargs = {"targets": ["Linear"], "ignore": ["lm_head"]}
+    if chosen["scheme"]:
+        kwargs["scheme"] = chosen["scheme"]
+    else:
+        kwargs["config_groups"] = chosen["config_groups"]
+        kwargs.pop("targets")
+    oneshot(model=model, recipe=QuantizationModifier(**kwargs))
+    model.save_pretrained(out, save_compressed=True)
+    for tokenizer_file in Path(base).glob("tokenizer*"):
+        shutil.copy(tokenizer_file, out)
+
+
+if __name__ == "__main__":
+    main()
