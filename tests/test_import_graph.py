@@ -23,7 +23,8 @@ LEVELS: list[tuple[str, list[str]]] = [
     ("kernels", ["strata.kernels"]),
     ("leaf modules", ["strata.distributed", "strata.config", "strata.sampling_params", "strata.errors",
                       "strata.outputs", "strata.tokenizer", "strata.host_memory", "strata.native", "strata.demo",
-                      "strata.engine_args", "strata.model_registry", "strata.quant_config"]),
+                      "strata.engine_args", "strata.model_registry", "strata.hf_config", "strata.tp_rules",
+                      "strata.quant_config"]),
 ]
 
 

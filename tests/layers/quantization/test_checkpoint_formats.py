@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 from hand_packed import write_awq_and_dense, write_gptq_and_dense  # noqa: E402
 
 # llm-compressor pins an older transformers than strata's, so it lives in its own environment (.ci/run makes it).
-LLMC_PYTHON = os.environ.get("STRATA_LLMC_PYTHON", "/work/venvs/llmc/bin/python")
+LLMC_PYTHON = os.environ.get("STRATA_LLMC_PYTHON", str(HERE.parents[2] / ".ci-llmc" / "bin" / "python"))
 WEIGHT_ONLY = ["W4A16", "W4A16_ASYM", "W8A16", "W4A16_G32", "W4A16_ASYM_G64", "W4A16_CHANNEL"]
 ACTIVATION_QUANTIZED = ["W8A8", "FP8_DYNAMIC"]
 PROMPTS = [[0, 5, 9, 13], [0, 100, 200], [0, 7, 7, 7, 7, 30], [0, 250], [0, 42, 43, 44, 45, 46, 47, 48],
