@@ -44,7 +44,8 @@ def test_quick_cpu_run_fills_every_section(tmp_path):
     sections = {name: entry["result"] for name, entry in report["sections"].items()}
     tests_run = sections["gpu_tests"]
     assert (tests_run["passed"], tests_run["failed"], tests_run["skipped"]) == (1, 1, 1)
-    assert tests_run["failed_tests"] == ["test_fake_gpu::test_fails"]
+    # JUnit names a file outside the rootdir by its path from there, so only the end is fixed.
+    assert len(tests_run["failed_tests"]) == 1 and tests_run["failed_tests"][0].endswith("test_fake_gpu::test_fails")
     assert tests_run["missing_paths"] == ["tests/no_such_folder"]
     assert sections["environment"]["copy_gb_per_s"] > 0 and sections["environment"]["bf16_matmul_tflops"] > 0
     for family in ("llama", "mamba2", "plamo2"):
