@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from strata.bench.latency import add_cli_args as add_latency_args
+from strata.bench.latency import add_latency_args
 from strata.bench.throughput import add_throughput_args
 from strata.engine_args import EngineArgs, byte_size
 from strata.errors import StrataError

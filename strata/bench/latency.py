@@ -16,7 +16,8 @@ from strata.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
+def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `strata bench latency`: the batch and its lengths, then every engine option."""
     parser.add_argument("--model", required=True)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
