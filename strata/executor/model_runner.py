@@ -165,7 +165,8 @@ class ModelRunner:
     def _prepare(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:
         """(input_ids, positions, ForwardMeta) of a step whose requests come decodes first."""
         if self.config.kernels == "torch":  # the Triton kernels never read past a sequence's last key
-            self._zero_new_blocks(np.concatenate([np.asarray(s.block_ids, dtype=np.int64) for s in requests]))
+            # Block 0 too: padded block tables point there, and the gathered decode path reads it (masked).
+            self._zero_new_blocks(np.concatenate([[0], *(np.asarray(s.block_ids, dtype=np.int64) for s in requests)]))
         mm_inputs = [self.states[s.request_id].mm_inputs if s.request_id in self.states else None
                      for s in requests]
         return prepare_step(requests, self.block_size, self.device, self.config.kernels, bool(self.mamba_layers),

@@ -157,14 +157,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), pc, bias, dtype=dtype)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if shard_id is None:  # an already fused checkpoint tensor: split every piece
-            for i, piece in enumerate(loaded.split(self.output_sizes, dim=0)):
-                self.weight_loader(param, piece, i)
-            return
-        tp = self.pc.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // tp
-        size = self.output_sizes[shard_id] // tp
-        _copy_checked(param.data.narrow(0, offset, size), shard_dim(loaded, 0, self.pc.tp_rank, tp))
+        """One piece (shard_id i), or an already fused checkpoint tensor (None): every piece is split."""
+        full = sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
+        if loaded.shape[0] != full:
+            raise ValueError(f"shape mismatch: expected {full} rows, checkpoint has {tuple(loaded.shape)}")
+        for offset, start, size in self.out_pieces(shard_id):
+            _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
     def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
         tp, rank = self.pc.tp_size, self.pc.tp_rank

@@ -55,13 +55,8 @@ def _rtn(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor)
 
 def write_gptq_and_dense(base: Path, out: Path, dense: Path, bits: int, group: int, sym: bool, desc_act: bool,
                          seed: int = 0) -> None:
-    tensors = load_file(str(base / "model.safetensors"))
-    stored, dense_tensors = {}, {}
-    for name, w in tensors.items():
-        module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS):
-            stored[name] = dense_tensors[name] = w
-            continue
+    stored, dense_tensors, linears = _split(base)
+    for name, module, w in linears:
         n, k = w.shape
         g = k if group == -1 else group
         g_idx = torch.arange(k) // g
@@ -85,13 +80,8 @@ def write_gptq_and_dense(base: Path, out: Path, dense: Path, bits: int, group: i
 
 
 def write_awq_and_dense(base: Path, out: Path, dense: Path, group: int) -> None:
-    tensors = load_file(str(base / "model.safetensors"))
-    stored, dense_tensors = {}, {}
-    for name, w in tensors.items():
-        module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS):
-            stored[name] = dense_tensors[name] = w
-            continue
+    stored, dense_tensors, linears = _split(base)
+    for name, module, w in linears:
         k = w.shape[1]
         g_idx = torch.arange(k) // group
         q, scale, zero = _rtn(w, 4, group, False, g_idx)
@@ -102,6 +92,19 @@ def write_awq_and_dense(base: Path, out: Path, dense: Path, group: int) -> None:
     config = {"quant_method": "awq", "version": "gemm", "w_bit": 4, "q_group_size": group, "zero_point": True}
     _save(base, out, stored, config)
     _save(base, dense, dense_tensors, None)
+
+
+def _split(base: Path) -> tuple[dict, dict, list[tuple[str, str, torch.Tensor]]]:
+    """The base checkpoint's tensors that stay as they are (in both outputs), and its linear weights as
+    (name, module, weight) to quantize."""
+    kept, linears = {}, []
+    for name, w in load_file(str(base / "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS:
+            linears.append((name, module, w))
+        else:
+            kept[name] = w
+    return dict(kept), dict(kept), linears
 
 
 def _save(base: Path, out: Path, tensors: dict[str, torch.Tensor], quant: dict | None) -> None:
