@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.distributed import Collective, ParallelContext, StepSize, tp_collective
-from strata.layers.linear import PackableLinear, _copy_checked, linear
+from strata.layers.linear import PackableLinear, _copy_checked
 from strata.layers.mamba.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from strata.layers.mamba.ssd import discretize_dt, heads_by_group, ssd_chunk_scan_varlen
 from strata.layers.mamba.state_update import selective_state_update
@@ -74,10 +74,23 @@ class ShardedColumnLinear(PackableLinear):
 
     def __init__(self, in_features: int, pieces: Sequence[Piece], pc: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
+        self.pc, self.pieces = pc, tuple(pieces)
         self.weight = sharded_param(pieces, (in_features,), pc, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return self.matmul(x, None)
+
+    def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
+        """Each piece's rows of this rank, as `shard_units` picks them (quantized tensors shard the same way)."""
+        tp, rank = self.pc.tp_size, self.pc.tp_rank
+        out, offset, start = [], 0, 0
+        for size, units in self.pieces:
+            local = units_per_rank(units, tp)
+            first = rank * local if units % tp == 0 else rank // (tp // units)
+            unit_size = size // units
+            out.append((offset, start + first * unit_size, local * unit_size))
+            offset, start = offset + local * unit_size, start + size
+        return out
 
 
 class ConvWeights(nn.Module):

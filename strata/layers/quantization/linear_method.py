@@ -130,7 +130,7 @@ def _load_stored(layer: PackableLinear, lay: TensorLayout, suffix: str, param: t
         _copy_checked(param, loaded, suffix)
         param.loaded_from = shard_id
         return
-    for offset, start, size in layer.out_pieces(shard_id):
+    for offset, start, size in _joined(layer.out_pieces(shard_id)):
         if lay.per_tensor:
             if loaded.numel() != 1:
                 raise ValueError(f"{suffix}: a per-tensor scale has one value, checkpoint has {tuple(loaded.shape)}")
@@ -140,6 +140,18 @@ def _load_stored(layer: PackableLinear, lay: TensorLayout, suffix: str, param: t
         piece = _narrow(loaded, lay.out_dim, start, size, lay.out_div, suffix)
         target = _narrow(param.data, lay.out_dim, offset, size, lay.out_div, suffix)
         _copy_checked(target, piece, suffix)
+
+
+def _joined(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Pieces that follow each other both here and in the checkpoint, as one: a piece narrower than a packed
+    element (e.g. Mamba's dt rows) then loads whole when its neighbours come with it (always with TP=1)."""
+    joined: list[tuple[int, int, int]] = []
+    for offset, start, size in pieces:
+        if joined and joined[-1][0] + joined[-1][2] == offset and joined[-1][1] + joined[-1][2] == start:
+            joined[-1] = (joined[-1][0], joined[-1][1], joined[-1][2] + size)
+        else:
+            joined.append((offset, start, size))
+    return joined
 
 
 def checkpoint_module_names(name: str, stacked: Iterable[tuple[str, str, object]]) -> list[str]:

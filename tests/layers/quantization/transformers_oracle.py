@@ -11,7 +11,22 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
+def skip_init_of_compressed_linears() -> None:
+    """transformers' Mamba2 re-initialises out_proj.weight while loading, which a compressed linear (weight_packed,
+    weight_scale, ...) lacks; every stored tensor is loaded anyway, so that step is skipped for such mixers."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    init = modeling_mamba2.Mamba2PreTrainedModel._init_weights
+
+    def init_unless_compressed(self, module):
+        if not (isinstance(module, modeling_mamba2.Mamba2Mixer) and not hasattr(module.out_proj, "weight")):
+            init(self, module)
+
+    modeling_mamba2.Mamba2PreTrainedModel._init_weights = init_unless_compressed
+
+
 def main() -> None:
+    skip_init_of_compressed_linears()
     prompts_json, max_tokens, out, *paths = sys.argv[1:]
     torch.save({path: greedy(path, json.loads(prompts_json), int(max_tokens)) for path in paths}, out)
 
