@@ -34,6 +34,19 @@ class LinearScheme:
     def pack_factor(self) -> int:
         return 32 // self.bits
 
+    @property
+    def inputs_per_element(self) -> int:
+        """Inputs (K) one stored element covers: the weights are packed along K (pack-quantized, GPTQ)."""
+        return self.pack_factor if self.format in (PACKED, GPTQ) else 1
+
+    @property
+    def outputs_per_element(self) -> int:
+        """Outputs (N) one stored element covers: zero points packed along N (asymmetric pack-quantized,
+        GPTQ), or AWQ's weights, packed along N too."""
+        if self.format == AWQ or self.format == GPTQ or (self.format == PACKED and not self.symmetric):
+            return self.pack_factor
+        return 1
+
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -177,13 +190,39 @@ def _fp8(raw: dict[str, Any]) -> QuantConfig:
     return QuantConfig("fp8", ((("Linear",), scheme),), tuple(raw.get("ignored_layers") or ()))
 
 
-def quant_tp_problem(tp: int, quant: QuantConfig, row_parallel_inputs: dict[str, int]) -> str | None:
-    """Why `tp` would cut a quantization group of a row-parallel layer (inputs split across ranks), else None."""
-    for group in sorted(quant.group_sizes):
-        for name, size in row_parallel_inputs.items():
-            if size % tp == 0 and (size // tp) % group:
-                works = [t for t in (1, 2, 4, 8, 16, 32, 64) if size % t == 0 and (size // t) % group == 0
-                         and all(s % t == 0 and (s // t) % group == 0 for s in row_parallel_inputs.values())]
-                return (f"tensor_parallel_size={tp} splits {name}={size} into {size // tp} inputs per rank, which "
-                        f"cuts a quantization group of {group}; sizes that work: {', '.join(map(str, works))}")
+def quant_tp_problem(tp: int, quant: QuantConfig, row_parallel_inputs: dict[str, int],
+                     column_parallel_outputs: dict[str, tuple[int, int]] | None = None) -> str | None:
+    """Why `tp` would cut a quantization group or a packed element: of a row-parallel layer's inputs (split across
+    ranks), or of a column-parallel piece's outputs ((rows, units): units split across ranks, or, when fewer than
+    ranks, each rank holds one); None when it cuts nothing."""
+    columns = column_parallel_outputs or {}
+    problem = _cut_by(tp, quant, row_parallel_inputs, columns)
+    if problem is None:
+        return None
+    works = [t for t in (1, 2, 4, 8, 16, 32, 64) if all(s % t == 0 for s in row_parallel_inputs.values())
+             and _cut_by(t, quant, row_parallel_inputs, columns) is None]
+    return f"{problem}; sizes that work: {', '.join(map(str, works))}"
+
+
+def _cut_by(tp: int, quant: QuantConfig, rows: dict[str, int], columns: dict[str, tuple[int, int]]) -> str | None:
+    schemes = sorted({s for _, s in quant.groups}, key=lambda s: (s.group_size, s.bits, s.format))
+    for s in schemes:
+        for name, size in rows.items():
+            local = size // tp
+            if tp == 1 or size % tp:
+                continue
+            if 0 < s.group_size and local % s.group_size:
+                return (f"tensor_parallel_size={tp} splits {name}={size} into {local} inputs per rank, which cuts a "
+                        f"quantization group of {s.group_size}")
+            if local % s.inputs_per_element:
+                return (f"tensor_parallel_size={tp} splits {name}={size} into {local} inputs per rank, which cuts a "
+                        f"packed element of {s.inputs_per_element} inputs ({s.bits}-bit {s.format} weights)")
+        for name, (size, units) in columns.items():
+            if tp == 1 or (units % tp and tp % units):
+                continue
+            local = size // units * max(1, units // tp)
+            if local % s.outputs_per_element:
+                return (f"tensor_parallel_size={tp} leaves {local} rows of {name}={size} on each rank, which cuts a "
+                        f"packed element of {s.outputs_per_element} outputs ({s.bits}-bit {s.format} "
+                        f"{'weights' if s.format == AWQ else 'zero points'} are packed along the outputs)")
     return None

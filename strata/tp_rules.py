@@ -61,7 +61,7 @@ def row_parallel_inputs(text: HFConfig) -> dict[str, int]:
                                                 "moe_intermediate_size")}
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
     if isinstance(heads, int) and isinstance(hidden, int):
-        sizes["num_attention_heads * head_dim"] = heads * (text.get("head_dim") or hidden // heads)
+        sizes["num_attention_heads * head_dim"] = heads * _head_dim(text)
     if isinstance(text.get("expand"), int) and isinstance(hidden, int):  # Mamba2's inner width
         sizes["expand * hidden_size"] = text.get("expand") * hidden
     if isinstance(text.get("mamba_num_heads"), int):  # PLaMo2's Mamba inner width
@@ -70,8 +70,37 @@ def row_parallel_inputs(text: HFConfig) -> dict[str, int]:
     return {k: v for k, v in sizes.items() if isinstance(v, int)}
 
 
+def _head_dim(text: HFConfig) -> int:
+    return text.get("head_dim") or text.get("hidden_size_per_head") or text.hidden_size // text.num_attention_heads
+
+
+def column_parallel_outputs(text: HFConfig) -> dict[str, tuple[int, int]]:
+    """The output pieces of layers split along their outputs across TP ranks, as (rows, units): q/k/v, the MLP
+    widths, and Mamba's z/x/B/C/dt pieces (its in_proj, and PLaMo2's dt_proj); units are heads or groups."""
+    pieces: dict[str, tuple[int, int]] = {}
+    heads = text.get("num_attention_heads")
+    if isinstance(heads, int) and isinstance(text.get("hidden_size"), int):
+        kv = text.get("num_key_value_heads") or heads
+        pieces["num_attention_heads * head_dim"] = (heads * _head_dim(text), heads)
+        pieces["num_key_value_heads * head_dim"] = (kv * _head_dim(text), kv)
+    for name in ("intermediate_size", "intermediate_size_mlp"):
+        if isinstance(text.get(name), int):
+            pieces[name] = (text.get(name), text.get(name))
+    mamba_heads = text.get("num_heads")
+    if isinstance(mamba_heads, int) and isinstance(text.get("state_size"), int):  # Mamba2
+        groups = text.get("n_groups", 1)
+        pieces["num_heads * head_dim"] = (mamba_heads * text.get("head_dim"), mamba_heads)
+        pieces["n_groups * state_size"] = (groups * text.get("state_size"), groups)
+        pieces["num_heads (dt)"] = (mamba_heads, mamba_heads)
+    mamba_heads = text.get("mamba_num_heads")
+    if isinstance(mamba_heads, int):  # PLaMo2
+        pieces["mamba_num_heads * hidden_size_per_head"] = (mamba_heads * _head_dim(text), mamba_heads)
+        pieces["mamba_num_heads (dt)"] = (mamba_heads, mamba_heads)
+    return pieces
+
+
 def check_quant_tp(tp: int, quant: QuantConfig | None, text: HFConfig) -> None:
-    problem = quant and quant_tp_problem(tp, quant, row_parallel_inputs(text))
+    problem = quant and quant_tp_problem(tp, quant, row_parallel_inputs(text), column_parallel_outputs(text))
     if problem:
         raise ConfigError(problem, param="tensor_parallel_size")
 
