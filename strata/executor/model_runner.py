@@ -79,10 +79,12 @@ class ModelRunner:
         self.mamba_layers = [m for m in self.model.modules() if isinstance(m, MambaState)]
 
     def _count_weight_bytes(self) -> int:
+        """Parameter bytes (a tied tensor once) plus the packed weights quantized layers hold outside parameters."""
         seen = {}
         for p in self.model.parameters():
             seen[p.data_ptr()] = p.numel() * p.element_size()
-        return sum(seen.values())
+        quantized = sum(m.quant.nbytes for m in self.model.modules() if getattr(m, "quant", None) is not None)
+        return sum(seen.values()) + quantized
 
     def kv_bytes_per_block(self) -> int:
         size = torch.empty((), dtype=self.config.model.dtype).element_size()

@@ -11,7 +11,7 @@ from torch import nn
 
 from strata.config import HFConfig
 from strata.distributed import ParallelContext
-from strata.errors import UnsupportedModelError
+from strata.errors import ConfigError, UnsupportedModelError
 from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -66,6 +66,45 @@ class Plamo2Args(ModelArgs):
                    mamba_layers=tuple(is_mamba(cfg, i) for i in range(cfg.num_hidden_layers)),
                    mamba_num_heads=cfg.mamba_num_heads, mamba_d_state=cfg.mamba_d_state,
                    mamba_d_conv=cfg.get("mamba_d_conv", 4))
+
+
+# Which dimension of a linear layer's stored tensor runs along its outputs: dim 0 for a plain, FP8, int8 or
+# compressed-tensors weight and its scales / zero points, dim 1 in GPTQ and AWQ; weight_shape and g_idx have none.
+_OUTPUT_DIM = {"weight": 0, "weight_packed": 0, "weight_scale": 0, "weight_zero_point": 0,
+               "qweight": 1, "qzeros": 1, "scales": 1}
+
+
+def _output_rows(tensor: torch.Tensor, leaf: str) -> int | None:
+    """The output dimension of a stored tensor, None when it has none (or is one value for the whole layer)."""
+    dim = _OUTPUT_DIM.get(leaf)
+    return None if dim is None or tensor.dim() <= dim or tensor.numel() == 1 else dim
+
+
+def _heads_first(tensor: torch.Tensor, leaf: str, heads: int, name: str) -> torch.Tensor:
+    """in_proj's output rows, stored per head as [z_h | x_h], regrouped as [z of all heads ; x of all heads]; rows
+    packed several outputs to an element move with their head, which needs whole elements per head."""
+    dim = _output_rows(tensor, leaf)
+    if dim is None:
+        return tensor
+    rows = tensor.movedim(dim, 0)
+    if rows.shape[0] % (2 * heads):
+        raise ConfigError(f"{name}: {rows.shape[0]} stored rows do not split into z and x of {heads} heads "
+                          "(a packed element would straddle two heads)", param="model")
+    regrouped = rows.reshape(heads, 2, -1, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+    return regrouped.movedim(0, dim).contiguous()
+
+
+def _split_outputs(tensor: torch.Tensor, leaf: str, sizes: list[int], name: str) -> list[torch.Tensor]:
+    """A fused layer's stored tensor cut into its parts' output rows (packed rows in proportion); a tensor without
+    output rows (weight_shape, g_idx, a per-tensor scale) goes whole to every part."""
+    dim = _output_rows(tensor, leaf)
+    if dim is None:
+        return [tensor] * len(sizes)
+    rows, total = tensor.shape[dim], sum(sizes)
+    if any(rows * size % total for size in sizes):
+        raise ConfigError(f"{name}: {rows} stored rows do not split into q, k and v of {sizes} outputs "
+                          "(a packed element would straddle two of them)", param="model")
+    return list(tensor.split([rows * size // total for size in sizes], dim=dim))
 
 
 class HybridStep(NamedTuple):
@@ -200,12 +239,12 @@ class Plamo2ForCausalLM(CausalLM):
                 continue
             stem, _, leaf = name.rpartition(".")
             module = stem.rpartition(".")[2]
-            if name.endswith(".mixer.in_proj.weight"):  # per head [z_h | x_h] -> [z_all ; x_all]
-                rows = a.mamba_num_heads
-                tensor = tensor.view(rows, 2, head_dim, -1).transpose(0, 1).reshape(2 * rows * head_dim, -1)
-            elif name.endswith(".mixer.qkv_proj.weight"):
-                for part, piece in zip("qkv", tensor.split([heads * head_dim, kv, kv], dim=0), strict=True):
-                    yield f"{stem.replace('qkv_proj', part + '_proj')}.weight", piece
+            if name.endswith(".mixer.in_proj." + leaf):  # per head [z_h | x_h] -> [z_all ; x_all]
+                tensor = _heads_first(tensor, leaf, a.mamba_num_heads, name)
+            elif ".mixer.qkv_proj." in name:
+                pieces = _split_outputs(tensor, leaf, [heads * head_dim, kv, kv], name)
+                for part, piece in zip("qkv", pieces, strict=True):
+                    yield f"{stem.replace('qkv_proj', part + '_proj')}.{leaf}", piece
                 continue
             elif leaf == "weight" and module in NORM_OFFSETS:
                 tensor = tensor + NORM_OFFSETS[module]
