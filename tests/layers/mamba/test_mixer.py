@@ -1,5 +1,5 @@
 """The mixer's decode paths (in place on consecutive slots, or gathered) against the kernels they stand in for,
-and its TP shard rule for units (heads, groups) fewer than the ranks."""
+its TP shard rule for units (heads, groups) fewer than the ranks, and a quantized in_proj sharded like its weight."""
 from __future__ import annotations
 
 import pytest
@@ -58,3 +58,39 @@ def test_units_split_across_ranks_or_held_whole_when_fewer_than_ranks():
         [0, 0, 0], [0, 0, 0], [1, 1, 1], [1, 1, 1]]
     with pytest.raises(ValueError, match="3 units"):
         shard_units(torch.arange(6), 3, ParallelContext(tp_rank=0, tp_size=2))
+
+
+def _pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] values 0..15 -> int32 [R, C / 8], lowest bits first (compressed-tensors' packing along the last dim)."""
+    words = (values.view(values.shape[0], -1, 8).long() << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize(("pieces", "tp"), [
+    ([(36, 4), (16, 1), (4, 4)], 1),  # pieces not on whole int32s of zero points: loaded as one at TP=1
+    ([(32, 4), (16, 1), (16, 1), (16, 4)], 2),  # z, B and C replicated, dt: each rank's rows whole int32s
+])
+def test_quantized_in_proj_holds_the_rows_of_its_weight_shard(pieces, tp):
+    from strata.layers.mamba.mixer import ShardedColumnLinear
+    from strata.layers.quantization.linear_method import quantize_layer
+    from strata.layers.quantization.weight_only import dequantize
+    from strata.quant_config import PACKED, LinearScheme
+
+    gen = torch.Generator().manual_seed(1)
+    n, k = sum(size for size, _ in pieces), 64
+    q, zeros = torch.randint(0, 16, (n, k), generator=gen), torch.randint(0, 16, (n, 2), generator=gen)
+    scales = torch.rand(n, 2, generator=gen) + 0.5
+    dense = (q - zeros.repeat_interleave(32, 1)) * scales.repeat_interleave(32, 1)
+    stored = {"weight_packed": _pack_int4(q), "weight_scale": scales, "weight_zero_point": _pack_int4(zeros.t()).t(),
+              "weight_shape": torch.tensor([n, k])}
+    for rank in range(tp):
+        pc = ParallelContext(tp_rank=rank, tp_size=tp)
+        plain = ShardedColumnLinear(k, pieces, pc, torch.float32)
+        plain.weight.weight_loader(plain.weight, dense)
+        quantized = ShardedColumnLinear(k, pieces, pc, torch.float32)
+        quantize_layer(quantized, LinearScheme(PACKED, 4, 32, False), "in_proj")
+        for suffix, tensor in stored.items():
+            param = getattr(quantized, suffix)
+            param.weight_loader(param, tensor)
+        quantized.quant.finish(quantized)
+        torch.testing.assert_close(dequantize(quantized.quant.weight), plain.weight.data)
