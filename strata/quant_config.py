@@ -68,10 +68,6 @@ class QuantConfig:
                 return scheme
         return None
 
-    @property
-    def group_sizes(self) -> set[int]:
-        return {s.group_size for _, s in self.groups if s.group_size > 0}
-
 
 def _matches(patterns: tuple[str, ...], name: str) -> bool:
     for p in patterns:
