@@ -4,10 +4,13 @@ usage: python write_llmcompressor_checkpoint.py BASE_FOLDER OUT_PARENT SCHEME [S
 writes OUT_PARENT/SCHEME for each; SCHEME is one of llm-compressor's preset names (W4A16, W4A16_ASYM,
 W8A16, W8A8, FP8_DYNAMIC) or
 W4A16_G32 / W4A16_G64 / W4A16_CHANNEL / W4A16_ASYM_G64 / W8A16_G128 (int weights, one group size / strategy).
+Llama 4 MoE layers are quantized as Scout's W4A16 checkpoints are: every routed expert's gate/up/down saved on its
+own, the router left as it is.
 """
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from llmcompressor import oneshot
@@ -34,10 +37,23 @@ def main() -> None:
         write(base, str(Path(parent) / name), name)
 
 
+def linearize_llama4_text_experts(model) -> None:
+    """oneshot replaces Llama 4's fused experts by per-expert Linear modules itself, but its replacement reads
+    `config.text_config` and so fails on a text-only Llama4ForCausalLM: hand it the text config that way."""
+    from llmcompressor.modeling.moe.llama4 import Llama4LinearExperts
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Llama4TextExperts):
+            config = SimpleNamespace(text_config=model.config)
+            model.set_submodule(name, Llama4LinearExperts.from_experts_module(module, config))
+
+
 def write(base: str, out: str, name: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(base, torch_dtype="auto")
+    linearize_llama4_text_experts(model)
     chosen = scheme_for(name)
-    kwargs = {"targets": ["Linear"], "ignore": ["lm_head"]}
+    kwargs = {"targets": ["Linear"], "ignore": ["lm_head", "re:.*router$"]}
     if chosen["scheme"]:
         kwargs["scheme"] = chosen["scheme"]
     else:
