@@ -1,6 +1,7 @@
 """A Llama 4 MoE checkpoint whose routed experts llm-compressor's `oneshot` quantized one by one (as in Scout's
 W4A16 checkpoints) loads with its experts packed and runs like its oracle: transformers on the dense checkpoint
-that compressed-tensors' own decompression makes of the very same file."""
+that compressed-tensors' own decompression makes of the very same file. GPTQ and AWQ per-expert layouts (packed
+by hand, see hand_packed) run like the dense checkpoint of the weights they encode."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ from llama4_checkpoints import make_llama4_text  # noqa: E402
 from model_forward import strata_logits  # noqa: E402
 
 sys.path.insert(0, str(HERE))
+from hand_packed import write_awq_and_dense, write_gptq_and_dense  # noqa: E402
 from test_checkpoint_formats import MAX_TOKENS, PROMPTS, _broken_copy, _llmc, _relative  # noqa: E402
 
 # Group 32 divides the experts' width on each of 2 TP ranks (64 / 2), not on 4.
@@ -142,3 +144,44 @@ def test_plan_counts_the_packed_expert_bytes(moe_compressed, moe_base):
     embed_head_router = (2 * 512 * 64 + 2 * 4 * 64) * 4  # float32, left unquantized
     # 4-bit weights (experts included): an eighth of their float32 bytes, plus scales.
     assert quantized - embed_head_router < (full - embed_head_router) / 6
+
+
+@pytest.fixture(scope="module")
+def per_expert_base(tmp_path_factory) -> Path:
+    return make_llama4_text(tmp_path_factory.mktemp("moe_hand") / "base", intermediate_size=64, per_expert=True)
+
+
+def _hand_packed(kind: str, base: Path, folder: Path) -> tuple[Path, Path]:
+    packed, dense = folder / "packed", folder / "dense"
+    if kind == "awq":
+        write_awq_and_dense(base, packed, dense, group=32)
+    else:
+        bits = 8 if "gptq8" in kind else 4
+        write_gptq_and_dense(base, packed, dense, bits, -1 if "channel" in kind else 32, "asym" not in kind,
+                             "desc_act" in kind)
+    with safe_open(str(packed / "model.safetensors"), framework="pt") as f:
+        assert f"{EXPERTS}.3.down_proj.qweight" in f.keys()
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["router"]  # hand_packed leaves it dense
+    (packed / "config.json").write_text(json.dumps(config))
+    return packed, dense
+
+
+@pytest.mark.parametrize("kind", ["gptq4_sym", "gptq4_asym_desc_act", "gptq8_channel", "awq"])
+def test_hand_packed_gptq_and_awq_experts_match_their_dense_weights(kind, per_expert_base, tmp_path):
+    packed, dense = _hand_packed(kind, per_expert_base, tmp_path)
+    sequence = PROMPTS[0] + list(range(10, 40))
+    assert _relative(strata_logits(packed, sequence), strata_logits(dense, sequence)) < 1e-3
+    assert _tokens(packed)[:3] == _tokens(dense)[:3]
+
+
+@pytest.mark.slow
+def test_gptq_experts_tp2_give_the_tokens_of_one_rank(per_expert_base, tmp_path):
+    packed, _ = _hand_packed("gptq4_asym", per_expert_base, tmp_path)
+    assert _tokens(packed, tensor_parallel_size=2) == _tokens(packed)
+
+
+def test_activation_ordered_experts_refuse_tp2(per_expert_base, tmp_path):
+    packed, _ = _hand_packed("gptq4_sym_desc_act", per_expert_base, tmp_path)
+    with pytest.raises(ConfigError, match=r"activation-ordered groups"):
+        _tokens(packed, tensor_parallel_size=2)
