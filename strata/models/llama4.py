@@ -175,8 +175,8 @@ class Llama4ForCausalLM(CausalLM):
     stacked_params = QKV_GATE_UP  # what the dense layers fuse; loading adds the experts' mapping
 
     def __init__(self, config: ModelConfig, pc: ParallelContext,
-                 layer_partition: tuple[int, ...] | None = None) -> None:
-        super().__init__(config, pc, layer_partition)
+                 layer_partition: tuple[int, ...] | None = None, checkpoint_prefix: str = "") -> None:
+        super().__init__(config, pc, layer_partition, checkpoint_prefix)
         # Experts may be stored fused [E, H, 2I] or one tensor per expert (quantized: several per expert).
         suffixes = {s: None for m in self.expert_layers() for s in m.checkpoint_suffixes} or {"weight": None}
         self.stacked_params = expert_params_mapping(self.args.num_experts, suffixes=tuple(suffixes)) + QKV_GATE_UP

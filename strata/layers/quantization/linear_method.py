@@ -103,20 +103,22 @@ def checkpoint_module_names(name: str, stacked: Iterable[tuple[str, str, object]
     return [p.rstrip(".") for p in parts] or [name]
 
 
-def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tuple[str, str, object]]) -> None:
+def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tuple[str, str, object]],
+                     checkpoint_prefix: str = "") -> None:
     """Give every linear layer (and every routed expert's projections) the checkpoint stores quantized its
-    scheme's tensors; ignored ones stay as they are."""
+    scheme's tensors; ignored ones stay as they are. The config names layers as the checkpoint does: module
+    names with `checkpoint_prefix` before them."""
     stacked = list(stacked)
     counts = {"quantized": 0, "left as stored": 0}
     for name, module in list(model.named_modules()):
         if isinstance(module, FusedMoE):
-            scheme = quant.scheme_for([f"{name}.{e}.{proj}" for e in range(module.num_experts)
+            scheme = quant.scheme_for([f"{checkpoint_prefix}{name}.{e}.{proj}" for e in range(module.num_experts)
                                        for proj in ("gate_proj", "up_proj", "down_proj")])
             if scheme is not None:
                 quantize_experts(module, scheme, name)
             counts["quantized" if scheme else "left as stored"] += 3 * module.num_experts
         if isinstance(module, PackableLinear) and isinstance(getattr(module, "weight", None), nn.Parameter):
-            scheme = quant.scheme_for(checkpoint_module_names(name, stacked))
+            scheme = quant.scheme_for(checkpoint_module_names(checkpoint_prefix + name, stacked))
             if scheme is not None:
                 quantize_layer(module, scheme, name)
             counts["quantized" if scheme else "left as stored"] += 1
