@@ -20,7 +20,7 @@ from strata.layers.moe import FusedMoE
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1]))
-from llama4_checkpoints import make_llama4_text  # noqa: E402
+from llama4_checkpoints import make_llama4_multimodal, make_llama4_text  # noqa: E402
 from model_forward import strata_logits  # noqa: E402
 
 sys.path.insert(0, str(HERE))
@@ -144,6 +144,23 @@ def test_plan_counts_the_packed_expert_bytes(moe_compressed, moe_base):
     embed_head_router = (2 * 512 * 64 + 2 * 4 * 64) * 4  # float32, left unquantized
     # 4-bit weights (experts included): an eighth of their float32 bytes, plus scales.
     assert quantized - embed_head_router < (full - embed_head_router) / 6
+
+
+def test_multimodal_checkpoint_runs_its_quantized_experts_like_the_decompressed_one(tmp_path):
+    """Scout ships as Llama4ForConditionalGeneration: its layer names (and the quantization config's ignore
+    list) start with `language_model.`. Oracle: strata's dense path (checked against transformers in
+    tests/models/test_llama4_vision.py) on compressed-tensors' decompression of the same file."""
+    base = make_llama4_multimodal(tmp_path / "base", text_overrides={"intermediate_size": 64})
+    subprocess.run([_llmc(), str(HERE / "write_llmcompressor_checkpoint.py"), str(base), str(tmp_path), "W4A16_G32"],
+                   check=True, capture_output=True)
+    quantized, dense = tmp_path / "W4A16_G32", tmp_path / "dense"
+    subprocess.run([_llmc(), str(HERE / "decompress_checkpoint.py"), str(quantized), str(dense)], check=True,
+                   capture_output=True)
+    with safe_open(str(quantized / "model.safetensors"), framework="pt") as f:
+        assert f"language_model.{EXPERTS}.0.gate_proj.weight_packed" in f.keys()
+    assert _tokens(quantized)[:3] == _tokens(dense)[:3]
+    sequence = PROMPTS[0] + list(range(10, 40))
+    assert _relative(strata_logits(quantized, sequence), strata_logits(dense, sequence)) < 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ writes OUT_PARENT/SCHEME for each; SCHEME is one of llm-compressor's preset name
 W8A16, W8A8, FP8_DYNAMIC) or
 W4A16_G32 / W4A16_G64 / W4A16_CHANNEL / W4A16_ASYM_G64 / W8A16_G128 (int weights, one group size / strategy).
 Llama 4 MoE layers are quantized as Scout's W4A16 checkpoints are: every routed expert's gate/up/down saved on its
-own, the router left as it is.
+own, the router (and a multimodal checkpoint's vision tower and projector) left as they are.
 """
 import shutil
 import sys
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Llama4ForConditionalGeneration
 
 
 def scheme_for(name: str):
@@ -50,10 +50,14 @@ def linearize_llama4_text_experts(model) -> None:
 
 
 def write(base: str, out: str, name: str) -> None:
-    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype="auto")
-    linearize_llama4_text_experts(model)
+    multimodal = hasattr(AutoConfig.from_pretrained(base), "vision_config")
+    model = (Llama4ForConditionalGeneration if multimodal else AutoModelForCausalLM).from_pretrained(
+        base, torch_dtype="auto")
+    if not multimodal:
+        linearize_llama4_text_experts(model)
     chosen = scheme_for(name)
-    kwargs = {"targets": ["Linear"], "ignore": ["lm_head", "re:.*router$"]}
+    kwargs = {"targets": ["Linear"], "ignore": ["lm_head", "re:.*lm_head$", "re:.*router$", "re:.*vision_model.*",
+                                                "re:.*multi_modal_projector.*"]}
     if chosen["scheme"]:
         kwargs["scheme"] = chosen["scheme"]
     else:
@@ -61,8 +65,8 @@ def write(base: str, out: str, name: str) -> None:
         kwargs.pop("targets")
     oneshot(model=model, recipe=QuantizationModifier(**kwargs))
     model.save_pretrained(out, save_compressed=True)
-    for tokenizer_file in Path(base).glob("tokenizer*"):
-        shutil.copy(tokenizer_file, out)
+    for extra in [*Path(base).glob("tokenizer*"), *Path(base).glob("preprocessor_config.json")]:
+        shutil.copy(extra, out)
 
 
 if __name__ == "__main__":
