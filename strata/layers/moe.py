@@ -27,13 +27,20 @@ def topk_sigmoid_routing(router_logits: torch.Tensor, top_k: int) -> tuple[torch
     return torch.sigmoid(values.float()), ids
 
 
-def expert_params_mapping(num_experts: int, prefix: str = ".experts.") -> list[tuple[str, str, object]]:
-    """Stacked-parameter entries that send per-expert checkpoint tensors into the fused expert tensors."""
+def expert_params_mapping(num_experts: int, prefix: str = ".experts.",
+                          suffixes: tuple[str, ...] = ("weight",)) -> list[tuple[str, str, object]]:
+    """Stacked-parameter entries that send per-expert checkpoint tensors into the fused expert tensors.
+
+    `suffixes` are the tensors each expert stores: `weight`, or a quantized checkpoint's (`weight_packed`,
+    `weight_scale`, ...), which land in `gate_up_proj_weight_packed` etc. Names that extend `weight` come first,
+    as the loader takes the first entry whose checkpoint part a name contains."""
     mapping: list[tuple[str, str, object]] = []
-    for e in range(num_experts):
-        mapping += [(f"{prefix}gate_up_proj", f"{prefix}{e}.gate_proj.weight", (e, GATE)),
-                    (f"{prefix}gate_up_proj", f"{prefix}{e}.up_proj.weight", (e, UP)),
-                    (f"{prefix}down_proj", f"{prefix}{e}.down_proj.weight", (e, DOWN))]
+    for suffix in sorted(suffixes, key=lambda s: s == "weight"):
+        tail = "" if suffix == "weight" else f"_{suffix}"
+        for e in range(num_experts):
+            mapping += [(f"{prefix}gate_up_proj{tail}", f"{prefix}{e}.gate_proj.{suffix}", (e, GATE)),
+                        (f"{prefix}gate_up_proj{tail}", f"{prefix}{e}.up_proj.{suffix}", (e, UP)),
+                        (f"{prefix}down_proj{tail}", f"{prefix}{e}.down_proj.{suffix}", (e, DOWN))]
     return mapping
 
 
@@ -51,7 +58,11 @@ class FusedMoE(nn.Module):
     The output is this rank's partial sum: the caller all-reduces it (together with any shared expert).
     With `quantization="experts_int8"` both are int8 with a scale per (expert, output channel), quantized
     as each checkpoint tensor arrives, so the full-precision experts never exist in memory.
+    A checkpoint that stores its experts quantized replaces both by its stored tensors and sets `quant`
+    (strata.layers.quantization.moe_method), which then runs each expert from its packed weights.
     """
+
+    quant = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  pc: ParallelContext, dtype: torch.dtype, quantization: str | None = None,
@@ -80,8 +91,17 @@ class FusedMoE(nn.Module):
         return p
 
     @property
+    def checkpoint_suffixes(self) -> tuple[str, ...]:
+        """The tensors the checkpoint stores per expert and projection."""
+        if self.quant is None:
+            return ("weight",)
+        return tuple({s: None for lays in self.quant.stored_names(self).values() for s in lays})
+
+    @property
     def expert_bytes(self) -> int:
         """Bytes of this rank's expert weights (and scales)."""
+        if self.quant is not None:  # before finishing (a shapes-only plan): the stored tensors
+            return self.quant.nbytes or sum(p.numel() * p.element_size() for p in self.parameters())
         tensors = [self.gate_up_proj, self.down_proj]
         if self.quantized:
             tensors += [self.gate_up_scale, self.down_scale]
@@ -150,6 +170,8 @@ class FusedMoE(nn.Module):
         return out
 
     def _expert(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(expert, h)
         if not self.quantized:
             return F.linear(silu_and_mul(F.linear(h, self.gate_up_proj[expert])), self.down_proj[expert])
         act = silu_and_mul(_int8_linear(h, self.gate_up_proj[expert], self.gate_up_scale[expert]))

@@ -64,7 +64,9 @@ class CausalLM(nn.Module):
     ignored_weights: ClassVar[tuple[str, ...]] = ()  # substrings of checkpoint names the model does not use
 
     def __init__(self, config: ModelConfig, pc: ParallelContext,
-                 layer_partition: tuple[int, ...] | None = None) -> None:
+                 layer_partition: tuple[int, ...] | None = None, checkpoint_prefix: str = "") -> None:
+        """`checkpoint_prefix`: what the checkpoint puts before this model's module names (`language_model.`
+        when it is the text part of a multimodal model), for the quantization config's layer names."""
         super().__init__()
         self.args = args = self.args_class.from_hf(config.text_config)
         self.pc, self.dtype, self.quantization = pc, config.dtype, config.quantization
@@ -79,7 +81,7 @@ class CausalLM(nn.Module):
         self._place(names.norm, pc.is_last_stage, lambda: RMSNorm(args.hidden_size, args.norm_eps, self.dtype))
         self._place("lm_head", pc.is_last_stage, self._make_lm_head)
         if config.quant_config is not None:
-            quantize_linears(self, config.quant_config, self.stacked_params)
+            quantize_linears(self, config.quant_config, self.stacked_params, checkpoint_prefix)
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder layer `index` (global), called only for this stage's layers."""

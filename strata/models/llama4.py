@@ -175,10 +175,11 @@ class Llama4ForCausalLM(CausalLM):
     stacked_params = QKV_GATE_UP  # what the dense layers fuse; loading adds the experts' mapping
 
     def __init__(self, config: ModelConfig, pc: ParallelContext,
-                 layer_partition: tuple[int, ...] | None = None) -> None:
-        super().__init__(config, pc, layer_partition)
-        # Experts may be stored fused [E, H, 2I] or one tensor per expert.
-        self.stacked_params = expert_params_mapping(self.args.num_experts) + QKV_GATE_UP
+                 layer_partition: tuple[int, ...] | None = None, checkpoint_prefix: str = "") -> None:
+        super().__init__(config, pc, layer_partition, checkpoint_prefix)
+        # Experts may be stored fused [E, H, 2I] or one tensor per expert (quantized: several per expert).
+        suffixes = {s: None for m in self.expert_layers() for s in m.checkpoint_suffixes} or {"weight": None}
+        self.stacked_params = expert_params_mapping(self.args.num_experts, suffixes=tuple(suffixes)) + QKV_GATE_UP
 
     def make_layer(self, index: int) -> Llama4DecoderLayer:
         return Llama4DecoderLayer(self.args, index, self.pc, self.dtype, self.quantization)
@@ -190,12 +191,16 @@ class Llama4ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(weights)
         self._log_expert_memory()
+
     def _log_expert_memory(self) -> None:
         layers = self.expert_layers()
         if not layers:
             return
         held = sum(m.expert_bytes for m in layers)
         bf16 = sum(3 * m.num_experts * m.local_intermediate * m.hidden_size * 2 for m in layers)
-        kind = "experts_int8" if layers[0].quantized else str(layers[0].gate_up_proj.dtype).replace("torch.", "")
+        if layers[0].quant is not None:
+            kind = f"{layers[0].quant.scheme.format} {layers[0].quant.scheme.bits}-bit"
+        else:
+            kind = "experts_int8" if layers[0].quantized else str(layers[0].gate_up_proj.dtype).replace("torch.", "")
         logger.info("%s routed experts (%s): %.2f MiB on this rank, %.3fx of bfloat16 (%.2f MiB)",
                     self.pc.log_prefix, kind, held / 2**20, held / bf16, bf16 / 2**20)

@@ -205,7 +205,7 @@ class Llama4ForConditionalGeneration(nn.Module):
         hf, dtype = config.hf_config, config.dtype
         self.pc = pc
         self.image_token_id = hf.get("image_token_index", hf.get("image_token_id"))
-        self.language_model = Llama4ForCausalLM(config, pc, layer_partition)
+        self.language_model = Llama4ForCausalLM(config, pc, layer_partition, checkpoint_prefix=_LANGUAGE_PREFIX)
         self.missing_prefixes = [_LANGUAGE_PREFIX + p for p in self.language_model.missing_prefixes]
         if pc.is_first_stage:
             vision = Llama4VisionArgs.from_hf(hf.vision_config)

@@ -111,9 +111,14 @@ def _check_complete(params: dict[str, nn.Parameter], loaded: dict[str, set], une
         if is_pp_missing(name, missing_prefixes):
             continue
         got = loaded.get(name)
-        expected = next((s for part, s in shards_of.items() if part in name), {None})
-        if got is None or (None not in got and not expected <= got):
+        part = next((p for p in shards_of if p in name), None)
+        expected = shards_of.get(part, {None})
+        if got is None:
             missing.append(name)
+        elif None not in got and not expected <= got:
+            # Some pieces of a fused parameter arrived: name the checkpoint tensors that did not.
+            missing += [name.replace(part, checkpoint_part) for param_part, checkpoint_part, shard_id in stacked
+                        if param_part == part and shard_id not in got]
     problems = []
     if missing:
         problems.append(f"missing tensors: {', '.join(sorted(missing)[:20])}"

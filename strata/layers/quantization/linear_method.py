@@ -12,9 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.errors import ConfigError
-from strata.layers.linear import PackableLinear, _copy_checked
+from strata.layers.linear import PackableLinear
 from strata.layers.moe import FusedMoE
-from strata.layers.quantization.formats import Canonical, TensorLayout, layouts, to_canonical
+from strata.layers.quantization.formats import Canonical, layouts, to_canonical
+from strata.layers.quantization.moe_method import quantize_experts
+from strata.layers.quantization.stored import load_stored, local_shape
 from strata.layers.quantization.weight_only import QuantizedWeight, pack_weight, weight_only_linear
 from strata.quant_config import FP8, INT8_W8A8, LinearScheme, QuantConfig
 
@@ -87,71 +89,11 @@ def quantize_layer(layer: PackableLinear, scheme: LinearScheme, name: str) -> No
     device = layer.weight.device
     del layer.weight
     for suffix, lay in layouts(scheme, full_k).items():
-        param = nn.Parameter(torch.empty(_local_shape(lay, n, k), dtype=lay.dtype, device=device),
+        param = nn.Parameter(torch.empty(local_shape(lay, n, k), dtype=lay.dtype, device=device),
                              requires_grad=False)
-        param.weight_loader = functools.partial(_load_stored, layer, lay, suffix)
+        param.weight_loader = functools.partial(load_stored, layer, lay, suffix)
         layer.register_parameter(suffix, param)
     layer.quant = QuantizedLinearMethod(scheme, n, k)
-
-
-def _local_shape(lay: TensorLayout, n: int, k: int) -> tuple[int, ...]:
-    if lay.out_dim is None:
-        return (2,) if lay.in_dim is None else (k // lay.in_div,)
-    shape = [1, 1]
-    shape[lay.out_dim] = n // lay.out_div
-    if lay.in_dim is not None:
-        shape[lay.in_dim] = k // lay.in_div
-    return tuple(shape)
-
-
-def _narrow(t: torch.Tensor, dim: int, start: int, size: int, div: int, what: str) -> torch.Tensor:
-    if start % div or size % div:
-        raise ValueError(f"{what}: rows {start}..{start + size} do not fall on whole stored elements of {div}")
-    if t.dim() <= dim or t.shape[dim] < (start + size) // div:
-        raise ValueError(f"{what}: expected at least {(start + size) // div} along dimension {dim}, "
-                         f"checkpoint has shape {tuple(t.shape)}")
-    return t.narrow(dim, start // div, size // div)
-
-
-def _load_stored(layer: PackableLinear, lay: TensorLayout, suffix: str, param: torch.Tensor,
-                 loaded: torch.Tensor, shard_id: object = None) -> None:
-    if lay.out_dim is None and lay.in_dim is None:  # weight_shape: the packed tensors' shapes are checked
-        if loaded.numel() != 2:
-            raise ValueError(f"{suffix} must hold 2 values, has shape {tuple(loaded.shape)}")
-        return
-    if lay.in_dim is not None:
-        start, size = layer.in_range()
-        loaded = _narrow(loaded, lay.in_dim, start, size, lay.in_div, suffix)
-    if lay.out_dim is None:  # g_idx: the fused projections of one input must share it
-        if getattr(param, "loaded_from", None) is not None and param.device.type != "meta" and \
-                not torch.equal(param.data, loaded.to(param.dtype)):
-            raise ValueError(f"{suffix} differs between the projections fused into one layer "
-                             f"({param.loaded_from} and {shard_id})")
-        _copy_checked(param, loaded, suffix)
-        param.loaded_from = shard_id
-        return
-    for offset, start, size in _joined(layer.out_pieces(shard_id)):
-        if lay.per_tensor:
-            if loaded.numel() != 1:
-                raise ValueError(f"{suffix}: a per-tensor scale has one value, checkpoint has {tuple(loaded.shape)}")
-            param.data.narrow(0, offset, size).fill_(loaded.reshape(()).item() if loaded.device.type != "meta"
-                                                     else 0)
-            continue
-        piece = _narrow(loaded, lay.out_dim, start, size, lay.out_div, suffix)
-        target = _narrow(param.data, lay.out_dim, offset, size, lay.out_div, suffix)
-        _copy_checked(target, piece, suffix)
-
-
-def _joined(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Pieces that follow each other both here and in the checkpoint, as one: a piece narrower than a packed
-    element (e.g. Mamba's dt rows) then loads whole when its neighbours come with it (always with TP=1)."""
-    joined: list[tuple[int, int, int]] = []
-    for offset, start, size in pieces:
-        if joined and joined[-1][0] + joined[-1][2] == offset and joined[-1][1] + joined[-1][2] == start:
-            joined[-1] = (joined[-1][0], joined[-1][1], joined[-1][2] + size)
-        else:
-            joined.append((offset, start, size))
-    return joined
 
 
 def checkpoint_module_names(name: str, stacked: Iterable[tuple[str, str, object]]) -> list[str]:
@@ -161,17 +103,22 @@ def checkpoint_module_names(name: str, stacked: Iterable[tuple[str, str, object]
     return [p.rstrip(".") for p in parts] or [name]
 
 
-def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tuple[str, str, object]]) -> None:
-    """Give every linear layer the checkpoint stores quantized its scheme's tensors; ignored ones stay as they are."""
+def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tuple[str, str, object]],
+                     checkpoint_prefix: str = "") -> None:
+    """Give every linear layer (and every routed expert's projections) the checkpoint stores quantized its
+    scheme's tensors; ignored ones stay as they are. The config names layers as the checkpoint does: module
+    names with `checkpoint_prefix` before them."""
     stacked = list(stacked)
     counts = {"quantized": 0, "left as stored": 0}
     for name, module in list(model.named_modules()):
-        if isinstance(module, FusedMoE) and quant.scheme_for([f"{name}.0.gate_proj"]) is not None:
-            raise ConfigError(f"{name}: quantized routed experts are not supported yet; list them in the "
-                              "checkpoint's quantization ignore (the attention, dense and shared-expert layers "
-                              "may stay quantized)", param="quantization")
+        if isinstance(module, FusedMoE):
+            scheme = quant.scheme_for([f"{checkpoint_prefix}{name}.{e}.{proj}" for e in range(module.num_experts)
+                                       for proj in ("gate_proj", "up_proj", "down_proj")])
+            if scheme is not None:
+                quantize_experts(module, scheme, name)
+            counts["quantized" if scheme else "left as stored"] += 3 * module.num_experts
         if isinstance(module, PackableLinear) and isinstance(getattr(module, "weight", None), nn.Parameter):
-            scheme = quant.scheme_for(checkpoint_module_names(name, stacked))
+            scheme = quant.scheme_for(checkpoint_module_names(checkpoint_prefix + name, stacked))
             if scheme is not None:
                 quantize_layer(module, scheme, name)
             counts["quantized" if scheme else "left as stored"] += 1
@@ -182,7 +129,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tup
 def finish_quantized(model: nn.Module) -> None:
     """After loading: unpack the stored tensors of every quantized layer (not for a shapes-only meta model)."""
     for module in model.modules():
-        if isinstance(module, PackableLinear) and module.quant is not None:
+        if isinstance(module, (PackableLinear, FusedMoE)) and module.quant is not None:
             params = list(module.parameters(recurse=False))
             if params and params[0].device.type != "meta":
                 module.quant.finish(module)
