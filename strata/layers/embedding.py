@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.distributed import Collective, ParallelContext, StepSize, pad_vocab, tp_collective
-from strata.layers.linear import _copy_checked, can_pack, linear, packed
+from strata.layers.linear import _copy_checked, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -51,25 +51,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, pc: ParallelContext,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__(vocab_size, hidden_size, pc, dtype)
-        self.register_parameter("packed_weight", None)
         self.tied = False
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight, self.tied = embedding.weight, True
 
-    def pack_weight(self) -> int:
-        """A tied head shares its weight with the embedding's lookups, so it packs a copy."""
-        if not can_pack(self.weight):
-            return 0
-        self.packed_weight = packed(self.weight)
-        if self.tied:
-            return self.weight.numel() * self.weight.element_size()
-        del self.weight
-        return 0
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.packed_weight is None else self.packed_weight
-        logits = self.pc.all_gather(linear(hidden, weight))
+        logits = self.pc.all_gather(linear(hidden, self.weight))
         return logits[..., : self.vocab_size]  # padding columns are never sampled
 
     def collectives(self, step: StepSize) -> list[Collective]:
