@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.distributed import Collective, ParallelContext, StepSize, pad_vocab, tp_collective
-from strata.layers.linear import _copy_checked, linear
+from strata.layers.linear import PackableLinear, _copy_checked
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -45,8 +45,9 @@ class VocabParallelEmbedding(nn.Module):
         return tp_collective(self.pc, "all_reduce", step.num_tokens * self.hidden_size, self.dtype)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits; each rank holds a vocabulary slice, the slices are gathered."""
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
+    """Projects hidden states to logits; each rank holds a vocabulary slice, the slices are gathered. An untied
+    head may be stored quantized, like any linear layer (its rows are the vocabulary slice)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, pc: ParallelContext,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -57,8 +58,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight, self.tied = embedding.weight, True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.pc.all_gather(linear(hidden, self.weight))
+        logits = self.pc.all_gather(self.matmul(hidden, None))
         return logits[..., : self.vocab_size]  # padding columns are never sampled
+
+    def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
+        """This rank's vocabulary rows of a checkpoint tensor; padding rows past the vocabulary load nothing."""
+        return [(0, self.start, max(0, min(self.rows_per_rank, self.vocab_size - self.start)))]
 
     def collectives(self, step: StepSize) -> list[Collective]:
         """The gather of vocabulary shards in `compute_logits`, which runs only on rows that sample."""

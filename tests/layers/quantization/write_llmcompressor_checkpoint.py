@@ -3,7 +3,8 @@
 usage: python write_llmcompressor_checkpoint.py BASE_FOLDER OUT_PARENT SCHEME [SCHEME ...]
 writes OUT_PARENT/SCHEME for each; SCHEME is one of llm-compressor's preset names (W4A16, W4A16_ASYM,
 W8A16, W8A8, FP8_DYNAMIC) or
-W4A16_G32 / W4A16_G64 / W4A16_CHANNEL / W4A16_ASYM_G64 / W8A16_G128 (int weights, one group size / strategy).
+W4A16_G32 / W4A16_G64 / W4A16_CHANNEL / W4A16_ASYM_G64 / W8A16_G128 (int weights, one group size / strategy);
+a _HEAD suffix (W4A16_G32_HEAD) quantizes the LM head too (llm-compressor then unties it from the embedding).
 """
 import shutil
 import sys
@@ -36,8 +37,9 @@ def main() -> None:
 
 def write(base: str, out: str, name: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(base, torch_dtype="auto")
-    chosen = scheme_for(name)
-    kwargs = {"targets": ["Linear"], "ignore": ["lm_head"]}
+    head = name.endswith("_HEAD")
+    chosen = scheme_for(name.removesuffix("_HEAD"))
+    kwargs = {"targets": ["Linear"], "ignore": [] if head else ["lm_head"]}
     if chosen["scheme"]:
         kwargs["scheme"] = chosen["scheme"]
     else:
