@@ -53,6 +53,9 @@ class QuantConfig:
     method: str
     groups: tuple[tuple[tuple[str, ...], LinearScheme], ...]  # (targets, scheme), first match wins
     ignore: tuple[str, ...] = ()
+    # Whether an untied LM head is stored quantized when the groups and `ignore` say so (compressed-tensors);
+    # GPTQ says it with its own `lm_head` flag, AWQ and FP8 checkpoints keep the head as it is.
+    lm_head: bool = False
 
     def scheme_for(self, names: list[str]) -> LinearScheme | None:
         """The scheme of the linear layer stored under checkpoint module `names` (several for a fused layer,
@@ -148,7 +151,7 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
                                     bool(acts))))
     if not groups:
         raise ConfigError("quantization_config.config_groups is empty", param="quantization")
-    return QuantConfig("compressed-tensors", tuple(groups), tuple(raw.get("ignore") or ()))
+    return QuantConfig("compressed-tensors", tuple(groups), tuple(raw.get("ignore") or ()), lm_head=True)
 
 
 def _gptq(raw: dict[str, Any]) -> QuantConfig:
@@ -158,7 +161,8 @@ def _gptq(raw: dict[str, Any]) -> QuantConfig:
     v2 = raw.get("checkpoint_format") == "gptq_v2"
     scheme = LinearScheme(GPTQ, bits, group_size, bool(raw.get("sym", True)), bool(raw.get("desc_act", False)),
                           zeros_minus_one=not v2)
-    return QuantConfig("gptq", ((("Linear",), scheme),), tuple(raw.get("modules_to_not_convert") or ()))
+    return QuantConfig("gptq", ((("Linear",), scheme),), tuple(raw.get("modules_to_not_convert") or ()),
+                       lm_head=bool(raw.get("lm_head", False)))
 
 
 def _awq(raw: dict[str, Any]) -> QuantConfig:

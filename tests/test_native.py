@@ -6,7 +6,8 @@ import logging
 import torch
 
 from strata import LLM, SamplingParams, native
-from strata.layers import cpu_attention, embedding, linear
+from strata.layers import cpu_attention
+from strata.layers.quantization import cpu_matmul
 
 
 def test_a_missing_compiler_is_a_warning_and_no_library(monkeypatch, tmp_path, caplog):
@@ -25,15 +26,18 @@ def test_plain_torch_paths_give_the_tokens_of_the_cpu_kernels(llama_gqa, monkeyp
     prompts = [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
                for n in (3, 17, 40)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    calls = []
+    kernel = cpu_matmul.matmul
+    monkeypatch.setattr(cpu_matmul, "matmul", lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
 
-    def tokens(packed: bool) -> list[list[int]]:
+    def tokens() -> list[list[int]]:
         llm = LLM(str(llama_gqa), dtype="float32", device="cpu", max_model_len=128)
-        model = llm.engine.executor.runner.model
-        assert any(p.is_mkldnn for p in model.parameters()) == packed
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    with_kernels = tokens(packed=True)
+    with_kernels = tokens()
+    assert calls, "decode steps of up to 3 sequences should run the C matmul kernel"
     monkeypatch.setattr(cpu_attention, "_library", lambda: None)  # decode attention gathers the blocks
-    for module in (linear, embedding):  # weights stay plain, for F.linear
-        monkeypatch.setattr(module, "can_pack", lambda weight: False)
-    assert tokens(packed=False) == with_kernels
+    monkeypatch.setattr(cpu_matmul, "_library", lambda: None)  # linear layers run oneDNN / F.linear
+    calls.clear()
+    assert tokens() == with_kernels
+    assert not calls

@@ -9,6 +9,8 @@ import statistics
 import sys
 import time
 
+import torch
+
 from strata.bench.throughput import random_prompts
 from strata.engine_args import EngineArgs, engine_kwargs
 from strata.sampling_params import SamplingParams
@@ -38,6 +40,18 @@ def weight_bytes(args: argparse.Namespace) -> int:
     return sum(p.param_bytes for p in plan_layout(config))
 
 
+def read_loop_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes per second a plain read of `nbytes` (a float32 sum, every thread) reaches here: the memory speed
+    a weight-bound decode step can approach."""
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best
+
+
 def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
@@ -59,6 +73,10 @@ def measure(llm, prompts: list[list[int]], output_len: int, warmup: int, iters: 
     return latencies, per_token
 
 
+def _on_cuda(device: str) -> bool:
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
 def run_latency(args: argparse.Namespace) -> int:
     from strata.config import ModelConfig
     from strata.llm import LLM
@@ -68,6 +86,7 @@ def run_latency(args: argparse.Namespace) -> int:
     model = ModelConfig.from_path(args.model)
     prompts = random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed, avoid=model.eos_token_ids)
     nbytes = weight_bytes(args)
+    read_loop = None if _on_cuda(args.device) else read_loop_bandwidth()
     llm = LLM(args.model, **engine_kwargs(args))
     try:
         latencies, per_token = measure(llm, prompts, args.output_len, args.num_iters_warmup, args.num_iters)
@@ -76,13 +95,17 @@ def run_latency(args: argparse.Namespace) -> int:
     result = {"avg_latency": statistics.mean(latencies), "latencies": latencies, "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len, "time_per_output_token": per_token,
               "output_tokens_per_second": args.batch_size / per_token, "weight_bytes": nbytes,
-              "weight_bandwidth_gb_per_s": nbytes / per_token / 1e9}
+              "weight_bandwidth_gb_per_s": nbytes / per_token / 1e9,
+              "read_loop_gb_per_s": None if read_loop is None else read_loop / 1e9}
     sys.stdout.write(f"Avg latency: {result['avg_latency']:.4f} seconds (batch {args.batch_size}, "
                      f"{args.input_len} in, {args.output_len} out)\n"
                      f"Time per output token: {per_token * 1e3:.2f} ms, {result['output_tokens_per_second']:.2f} "
                      f"output tokens/s\n"
                      f"Effective weight bandwidth: {result['weight_bandwidth_gb_per_s']:.2f} GB/s "
                      f"({nbytes / 1e9:.3f} GB of weights read per step)\n")
+    if read_loop is not None:
+        sys.stdout.write(f"Plain read loop: {read_loop / 1e9:.2f} GB/s (decode reads weights at "
+                         f"{100 * nbytes / per_token / read_loop:.0f}% of it)\n")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -20,7 +20,6 @@ from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
 from strata.layers.attention import Attention
 from strata.layers.forward_meta import ForwardMeta
-from strata.layers.linear import pack_linear_weights
 from strata.layers.mamba.mixer import MambaState, allocate_states, state_bytes_per_slot
 from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
 from strata.models import loader
@@ -61,16 +60,12 @@ class ModelRunner:
         self.model.load_weights(loader.iterate_weights(
             config.model.path, lambda name: loader.is_pp_missing(name, self.model.missing_prefixes)))
         self.model.eval()
-        # Before packing, which replaces weights with opaque oneDNN tensors (and renames an untied LM head's).
         self.weight_bytes = self._count_weight_bytes()
         self.param_names = [name for name, _ in self.model.named_parameters()]
         logger.info("%s loaded %s (%.1f MB of weights on this rank) in %.1f s", pc.log_prefix,
                     config.model.architecture, self.weight_bytes / 2**20, time.monotonic() - started)
         if device.type == "cpu":
             keep_freed_host_memory()
-            extra = pack_linear_weights(self.model)
-            logger.info("%s linear weights packed for oneDNN%s", pc.log_prefix,
-                        f" (+{extra / 2**20:.1f} MB for the tied LM head's copy)" if extra else "")
             cpu_attention.prepare()  # a first-time compile belongs to start-up, not to the first request
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)

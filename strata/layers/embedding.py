@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.distributed import Collective, ParallelContext, StepSize, pad_vocab, tp_collective
-from strata.layers.linear import _copy_checked, can_pack, linear, packed
+from strata.layers.linear import PackableLinear, _copy_checked
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -45,32 +45,25 @@ class VocabParallelEmbedding(nn.Module):
         return tp_collective(self.pc, "all_reduce", step.num_tokens * self.hidden_size, self.dtype)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits; each rank holds a vocabulary slice, the slices are gathered."""
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
+    """Projects hidden states to logits; each rank holds a vocabulary slice, the slices are gathered. An untied
+    head may be stored quantized, like any linear layer (its rows are the vocabulary slice)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, pc: ParallelContext,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__(vocab_size, hidden_size, pc, dtype)
-        self.register_parameter("packed_weight", None)
         self.tied = False
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight, self.tied = embedding.weight, True
 
-    def pack_weight(self) -> int:
-        """A tied head shares its weight with the embedding's lookups, so it packs a copy."""
-        if not can_pack(self.weight):
-            return 0
-        self.packed_weight = packed(self.weight)
-        if self.tied:
-            return self.weight.numel() * self.weight.element_size()
-        del self.weight
-        return 0
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.packed_weight is None else self.packed_weight
-        logits = self.pc.all_gather(linear(hidden, weight))
+        logits = self.pc.all_gather(self.matmul(hidden, None))
         return logits[..., : self.vocab_size]  # padding columns are never sampled
+
+    def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
+        """This rank's vocabulary rows of a checkpoint tensor; padding rows past the vocabulary load nothing."""
+        return [(0, self.start, max(0, min(self.rows_per_rank, self.vocab_size - self.start)))]
 
     def collectives(self, step: StepSize) -> list[Collective]:
         """The gather of vocabulary shards in `compute_logits`, which runs only on rows that sample."""

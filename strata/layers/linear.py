@@ -1,8 +1,9 @@
 """Linear layers that own their tensor-parallel sharding; with tp_size=1 they are plain linears.
 
 Each parameter has a `weight_loader(param, full_checkpoint_tensor, shard_id=None)` that keeps this
-rank's slice, so the model loader never needs to know how a layer is split. On CPU the loaded weights are
-re-laid out once for oneDNN (`pack_linear_weights`), whose kernels run 1.3-3x faster than `F.linear` here.
+rank's slice, so the model loader never needs to know how a layer is split. On CPU a weight keeps its plain
+[out, in] layout, which serves both paths of `linear`: a few rows (batch-1 and small-batch decode) run the
+weight-only C kernel, which reads each weight once at memory speed; more rows run oneDNN's GEMM.
 """
 from __future__ import annotations
 
@@ -11,39 +12,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.distributed import Collective, ParallelContext, StepSize, tp_collective
+from strata.layers.quantization import cpu_matmul
 
-# oneDNN picks its blocked weight layout for a typical batch; any batch size still works with it.
-_PACK_BATCH_HINT = 64
+# Rows up to which the C kernel beats oneDNN on a plain float32 / bfloat16 weight (2 Zen 4 cores: even at 3).
+SMALL_BATCH_DENSE = 3
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, or oneDNN's kernel when the weight was packed for it."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """x @ weight.T (+ bias) in x's dtype: on CPU the C kernel for a few rows, oneDNN for more; else F.linear."""
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= SMALL_BATCH_DENSE:
+        kind = cpu_matmul.dense_kind(weight)
+        if kind is not None and cpu_matmul.available():
+            flat = x.reshape(rows, x.shape[-1]).to(torch.float32).contiguous()
+            y = cpu_matmul.matmul(flat, weight, kind, weight.shape[0], bias=bias)
+            return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    if use_onednn(weight) and x.dtype == weight.dtype:
+        return cpu_matmul.gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.is_mkldnn or not torch.backends.mkldnn.is_available():
+def use_onednn(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's GEMM serves this weight (float32, or bfloat16 where the CPU computes it natively)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
                                              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def packed(weight: torch.Tensor) -> nn.Parameter:
-    """`weight` ([out, in]) in oneDNN's blocked layout; only `linear` can use it afterwards."""
-    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT),
-                        requires_grad=False)
-
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """Packs every packable layer's weight after loading; returns the bytes of extra copies made
-    (a tied LM head keeps the embedding's plain weight for lookups and gets its own packed copy)."""
-    return sum(module.pack_weight() for module in model.modules() if hasattr(module, "pack_weight"))
-
-
 class PackableLinear(nn.Module):
-    """A layer whose `weight` ([out, in]) only ever goes through `linear`, so it may be packed.
+    """A layer whose `weight` ([out, in]) only ever goes through `linear`, or through its packed quantized form.
 
     A quantized checkpoint replaces `weight` by its stored tensors and sets `quant` (a method from
     strata.layers.quantization), which then computes the product. `out_pieces` and `in_range` say which part
@@ -53,13 +53,6 @@ class PackableLinear(nn.Module):
     weight: nn.Parameter
     quant = None
     splits_inputs = False  # row-parallel: each rank holds a slice of the inputs
-
-    def pack_weight(self) -> int:
-        if self.quant is not None:
-            self.quant.finish(self)
-        elif can_pack(self.weight):
-            self.weight = packed(self.weight)
-        return 0
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:

@@ -48,21 +48,39 @@ class RotaryEmbedding(nn.Module):
                                             param="rope_scaling")
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin as [T, 1, D] for the half-split style, sin negated on the first half, computed once per
+        positions tensor: a model shares one instance among its layers, so once per step."""
+        # Keyed by the tensor object: every step builds new positions (holding the last one keeps its id unique).
+        if self._last is None or self._last[0] is not positions or self._last[1] != dtype:
+            cos, sin = self.cos_sin(positions, dtype)
+            tables = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+            self._last = (positions, dtype, tables)
+        return self._last[2]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        if not self.interleaved:
+            cos, sin = self._tables(positions, q.dtype)
+            return self._rotate_half_split(q, cos, sin), self._rotate_half_split(k, cos, sin)
         cos, sin = self.cos_sin(positions, q.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    @staticmethod
+    def _rotate_half_split(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # [x1 cos - x2 sin, x2 cos + x1 sin], each product and sum rounded as the two-half form rounds them.
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
+
+    @staticmethod
+    def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)

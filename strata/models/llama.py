@@ -56,12 +56,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: LlamaArgs, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: LlamaArgs, pc: ParallelContext, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.head_dim, bias = a.head_dim, a.attention_bias
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, pc, bias, dtype)
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, pc, bias, dtype=dtype)
-        self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, a.rope_scaling)
+        self.rotary = rotary  # one instance for all layers: its cos/sin tables are computed once per step
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, a.head_dim, a.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -94,9 +94,9 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, a: LlamaArgs, pc: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(self, a: LlamaArgs, pc: ParallelContext, dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(a, pc, dtype)
+        self.self_attn = LlamaAttention(a, pc, dtype, rotary)
         self.mlp = LlamaMLP(a.hidden_size, a.intermediate_size, pc, dtype, a.mlp_bias)
         self.input_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
@@ -112,4 +112,6 @@ class LlamaForCausalLM(CausalLM):
     ignored_weights = ("rotary_emb.inv_freq",)
 
     def make_layer(self, index: int) -> LlamaDecoderLayer:
-        return LlamaDecoderLayer(self.args, self.pc, self.dtype)
+        if getattr(self, "rotary", None) is None:
+            self.rotary = RotaryEmbedding(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
+        return LlamaDecoderLayer(self.args, self.pc, self.dtype, self.rotary)

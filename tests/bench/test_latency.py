@@ -24,7 +24,8 @@ def test_bench_latency_reports_consistent_tokens_per_second_and_bandwidth(llama_
     assert rc == 0
     result = json.loads(out.read_text())
     printed = capsys.readouterr().out
-    assert "output tokens/s" in printed and "Effective weight bandwidth" in printed
+    assert "output tokens/s" in printed and "Effective weight bandwidth" in printed and "Plain read loop" in printed
+    assert result["read_loop_gb_per_s"] > 0
     assert result["time_per_output_token"] > 0
     assert result["output_tokens_per_second"] == pytest.approx(2 / result["time_per_output_token"])
     # A float32 checkpoint with tied embeddings holds exactly the model's parameters.

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.errors import ConfigError
+from strata.layers.embedding import ParallelLMHead
 from strata.layers.linear import PackableLinear
 from strata.layers.moe import FusedMoE
 from strata.layers.quantization.formats import Canonical, layouts, to_canonical
@@ -89,7 +90,8 @@ def quantize_layer(layer: PackableLinear, scheme: LinearScheme, name: str) -> No
     device = layer.weight.device
     del layer.weight
     for suffix, lay in layouts(scheme, full_k).items():
-        param = nn.Parameter(torch.empty(local_shape(lay, n, k), dtype=lay.dtype, device=device),
+        # Zeros: rows no checkpoint tensor fills (an LM head's vocabulary padding) hold zero weights and scales.
+        param = nn.Parameter(torch.zeros(local_shape(lay, n, k), dtype=lay.dtype, device=device),
                              requires_grad=False)
         param.weight_loader = functools.partial(load_stored, layer, lay, suffix)
         layer.register_parameter(suffix, param)
@@ -117,6 +119,8 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tup
             if scheme is not None:
                 quantize_experts(module, scheme, name)
             counts["quantized" if scheme else "left as stored"] += 3 * module.num_experts
+        if isinstance(module, ParallelLMHead) and (module.tied or not quant.lm_head):
+            continue  # a tied head is the embedding table; GPTQ heads are quantized only when the config says so
         if isinstance(module, PackableLinear) and isinstance(getattr(module, "weight", None), nn.Parameter):
             scheme = quant.scheme_for(checkpoint_module_names(checkpoint_prefix + name, stacked))
             if scheme is not None:

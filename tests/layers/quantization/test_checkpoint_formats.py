@@ -28,7 +28,8 @@ from hand_packed import write_awq_and_dense, write_gptq_and_dense  # noqa: E402
 
 # llm-compressor pins an older transformers than strata's, so it lives in its own environment (.ci/run makes it).
 LLMC_PYTHON = os.environ.get("STRATA_LLMC_PYTHON", str(HERE.parents[2] / ".ci-llmc" / "bin" / "python"))
-WEIGHT_ONLY = ["W4A16", "W4A16_ASYM", "W8A16", "W4A16_G32", "W4A16_ASYM_G64", "W4A16_CHANNEL"]
+WEIGHT_ONLY = ["W4A16", "W4A16_ASYM", "W8A16", "W4A16_G32", "W4A16_ASYM_G64", "W4A16_CHANNEL",
+               "W4A16_G32_HEAD"]
 ACTIVATION_QUANTIZED = ["W8A8", "FP8_DYNAMIC"]
 PROMPTS = [[0, 5, 9, 13], [0, 100, 200], [0, 7, 7, 7, 7, 30], [0, 250], [0, 42, 43, 44, 45, 46, 47, 48],
            [0, 300, 12, 1]]
@@ -108,6 +109,17 @@ def test_stored_weights_stay_quantized_in_memory(compressed):
     proj = runner.model.model.layers[0].self_attn.qkv_proj
     assert proj.quant.weight.bits == 4 and not hasattr(proj, "weight")
     assert proj.quant.nbytes < proj.quant.n * proj.quant.k  # under a byte a weight
+
+
+def test_a_quantized_lm_head_stays_quantized_and_splits_its_vocabulary_across_tp(compressed):
+    from strata.distributed import ParallelContext
+    from strata.executor.model_runner import ModelRunner
+    path = compressed["W4A16_G32_HEAD"]
+    runner = ModelRunner(EngineConfig.create(str(path), dtype="float32", device="cpu"), ParallelContext(),
+                         torch.device("cpu"))
+    head = runner.model.lm_head
+    assert head.quant.weight.bits == 4 and not hasattr(head, "weight")
+    assert [o.token_ids for o in _generate(path, tensor_parallel_size=2)] == [o.token_ids for o in _generate(path)]
 
 
 @pytest.mark.slow

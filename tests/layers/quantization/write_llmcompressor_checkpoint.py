@@ -3,7 +3,8 @@
 usage: python write_llmcompressor_checkpoint.py BASE_FOLDER OUT_PARENT SCHEME [SCHEME ...]
 writes OUT_PARENT/SCHEME for each; SCHEME is one of llm-compressor's preset names (W4A16, W4A16_ASYM,
 W8A16, W8A8, FP8_DYNAMIC) or
-W4A16_G32 / W4A16_G64 / W4A16_CHANNEL / W4A16_ASYM_G64 / W8A16_G128 (int weights, one group size / strategy).
+W4A16_G32 / W4A16_G64 / W4A16_CHANNEL / W4A16_ASYM_G64 / W8A16_G128 (int weights, one group size / strategy);
+a _HEAD suffix (W4A16_G32_HEAD) quantizes the LM head too (llm-compressor then unties it from the embedding).
 Llama 4 MoE layers are quantized as Scout's W4A16 checkpoints are: every routed expert's gate/up/down saved on its
 own, the router (and a multimodal checkpoint's vision tower and projector) left as they are.
 """
@@ -55,9 +56,10 @@ def write(base: str, out: str, name: str) -> None:
         base, torch_dtype="auto")
     if not multimodal:
         linearize_llama4_text_experts(model)
-    chosen = scheme_for(name)
-    kwargs = {"targets": ["Linear"], "ignore": ["lm_head", "re:.*lm_head$", "re:.*router$", "re:.*vision_model.*",
-                                                "re:.*multi_modal_projector.*"]}
+    head = name.endswith("_HEAD")
+    chosen = scheme_for(name.removesuffix("_HEAD"))
+    kwargs = {"targets": ["Linear"], "ignore": ([] if head else ["lm_head", "re:.*lm_head$"])
+              + ["re:.*router$", "re:.*vision_model.*", "re:.*multi_modal_projector.*"]}
     if chosen["scheme"]:
         kwargs["scheme"] = chosen["scheme"]
     else:

@@ -1,0 +1,48 @@
+/* RMSNorm of the few rows of a decode step on CPU, with the residual add fused in (float32, or bfloat16 with
+   float32 math rounded where torch rounds). Built on first use by strata/native.py, called from
+   strata/layers/norm.py; larger batches stay on torch's vectorized, threaded ops. */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+#include <stddef.h>
+
+/* One row: s = x (+ residual, rounded to the dtype, written to sum_out); out = weight * (s / rms(s)) with
+   the normalized value rounded to the dtype before the weight multiplies it, as HF's RMSNorm does. */
+#define DEFINE_ROW(NAME, T, LOAD, STORE)                                                                       \
+    static void NAME(const T *x, const T *residual, const T *weight, T *out, T *sum_out, int64_t hidden,       \
+                     float eps) {                                                                              \
+        float squares = 0.f;                                                                                   \
+        if (residual) {                                                                                        \
+            _Pragma("omp simd reduction(+ : squares)") for (int64_t i = 0; i < hidden; i++) {                  \
+                const T v = STORE(LOAD(x[i]) + LOAD(residual[i]));                                             \
+                sum_out[i] = v;                                                                                \
+                squares += LOAD(v) * LOAD(v);                                                                  \
+            }                                                                                                  \
+            x = sum_out;                                                                                       \
+        } else {                                                                                               \
+            _Pragma("omp simd reduction(+ : squares)") for (int64_t i = 0; i < hidden; i++)                    \
+                squares += LOAD(x[i]) * LOAD(x[i]);                                                            \
+        }                                                                                                      \
+        const float inv = 1.f / sqrtf(squares / (float)hidden + eps);                                          \
+        _Pragma("omp simd") for (int64_t i = 0; i < hidden; i++)                                               \
+            out[i] = STORE(LOAD(weight[i]) * LOAD(STORE(LOAD(x[i]) * inv)));                                   \
+    }
+
+static inline float same(float v) { return v; }
+DEFINE_ROW(row_f32, float, same, same)
+DEFINE_ROW(row_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+void rms_norm(const void *x, const void *residual, const void *weight, void *out, void *sum_out, int64_t rows,
+              int64_t hidden, float eps, int bf16) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t at = r * hidden;
+        if (bf16)
+            row_bf16((const uint16_t *)x + at, residual ? (const uint16_t *)residual + at : NULL, weight,
+                     (uint16_t *)out + at, (uint16_t *)sum_out + at, hidden, eps);
+        else
+            row_f32((const float *)x + at, residual ? (const float *)residual + at : NULL, weight,
+                    (float *)out + at, (float *)sum_out + at, hidden, eps);
+    }
+}

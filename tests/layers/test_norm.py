@@ -1,0 +1,39 @@
+"""RMSNorm: the C kernel of decode steps gives what the torch ops give (with and without the residual add)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.layers import norm
+from strata.layers.norm import RMSNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, norm.KERNEL_ROWS])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_matches_the_torch_ops(dtype, rows, with_residual, monkeypatch):
+    if norm._library() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(rows)
+    layer = RMSNorm(1000, 1e-5, dtype)
+    layer.weight.data = torch.randn(1000, generator=g).to(dtype)
+    x, residual = (torch.randn(rows, 1000, generator=g).to(dtype) for _ in range(2))
+    calls = []
+    kernel = layer._kernel
+    monkeypatch.setattr(layer, "_kernel", lambda *a: calls.append(1) or kernel(*a))
+    got = layer(x, residual if with_residual else None)
+    assert calls
+    summed = x + residual if with_residual else x
+    want = layer.normalize(summed)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    if with_residual:
+        got, got_sum = got
+        assert torch.equal(got_sum, summed)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_rms_norm_of_many_rows_stays_on_torch(monkeypatch):
+    layer = RMSNorm(64)
+    monkeypatch.setattr(layer, "_kernel", lambda *a: pytest.fail("the kernel serves decode-sized batches only"))
+    x = torch.randn(norm.KERNEL_ROWS + 1, 64)
+    torch.testing.assert_close(layer(x), layer.normalize(x))
