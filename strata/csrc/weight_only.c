@@ -203,41 +203,29 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
 #include "weight_only_avx512.h"
 
 typedef void (*row512_fn)(const weights_t *, int64_t, const float *, int64_t, const float *, float *);
-#define DEFINE_ROW512(KIND, NR, MC)                                                                           \
-    static void rows512_##KIND##_##NR##_##MC(const weights_t *w, int64_t n, const float *xp, int64_t blocks,   \
-                                             const float *xsum, float *y) {                                    \
-        avx512_rows(w, n, xp, blocks, xsum, KIND, NR, MC, y);                                                  \
+#define DEFINE_ROW512(KIND, MC)                                                                               \
+    static void row512_##KIND##_##MC(const weights_t *w, int64_t n, const float *xp, int64_t blocks,          \
+                                     const float *xsum, float *y) {                                            \
+        avx512_row(w, n, xp, blocks, xsum, KIND, MC, y);                                                       \
     }
-#define DEFINE_ROWS512(KIND)                                                                                   \
-    DEFINE_ROW512(KIND, 1, 1) DEFINE_ROW512(KIND, 4, 1) DEFINE_ROW512(KIND, 1, 2) DEFINE_ROW512(KIND, 2, 2)    \
-    DEFINE_ROW512(KIND, 1, 4) DEFINE_ROW512(KIND, 1, 8)
+#define DEFINE_ROWS512(KIND) DEFINE_ROW512(KIND, 1) DEFINE_ROW512(KIND, 2) DEFINE_ROW512(KIND, 4) DEFINE_ROW512(KIND, 8)
 DEFINE_ROWS512(KIND_INT4)
 DEFINE_ROWS512(KIND_INT8)
-#define ROWS512_OF(KIND, NR, MC)                                                                               \
-    ((MC) == 8   ? rows512_##KIND##_1_8                                                                        \
-     : (MC) == 4 ? rows512_##KIND##_1_4                                                                        \
-     : (MC) == 2 ? ((NR) == 2 ? rows512_##KIND##_2_2 : rows512_##KIND##_1_2)                                   \
-                 : ((NR) == 4 ? rows512_##KIND##_4_1 : rows512_##KIND##_1_1))
-
-/* The kernel for a quantized kind, NR weight rows (1, or 4 / 2 / 1 for MC 1 / 2 / more) and MC rows of x. */
-static row512_fn row512_kernel(int kind, int nr, int mc) {
-    return kind == KIND_INT4 ? ROWS512_OF(KIND_INT4, nr, mc) : ROWS512_OF(KIND_INT8, nr, mc);
-}
+#define ROWS512_OF(KIND, MC) \
+    ((MC) == 8 ? row512_##KIND##_8 : (MC) == 4 ? row512_##KIND##_4 : (MC) == 2 ? row512_##KIND##_2 : row512_##KIND##_1)
 
 /* Rows n0..n1 of the weight against every row of x, up to 8 rows of x per pass while the weight rows sit in
    L1/L2. The kernel covers the padded K (its padding meets zeros in the prepared x). */
-static void rows_times_x512(const weights_t *w, int64_t n0, int64_t n1, const float *xp,
-                            int64_t blocks, int64_t m_total, const float *xsum, const float *bias, float *out) {
+static void rows_times_x512(const weights_t *w, int64_t n0, int64_t n1, const float *xp, int64_t blocks,
+                            int64_t m_total, const float *xsum, const float *bias, float *out) {
     for (int64_t m0 = 0; m0 < m_total;) {
         const int64_t left = m_total - m0;
-        const int mc = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1, wide = mc == 1 ? 4 : mc == 2 ? 2 : 1;
-        for (int64_t n = n0; n < n1;) {
-            const int nr = n + wide <= n1 ? wide : 1;
-            float y[MAX_ROWS512 * MAX_MC512];
-            row512_kernel(w->kind, nr, mc)(w, n, xp + m0 * blocks * BLOCK, blocks, xsum + m0 * w->groups, y);
-            for (int r = 0; r < nr; r++, n++)
-                for (int m = 0; m < mc; m++)
-                    out[(m0 + m) * w->n + n] = y[r * mc + m] + (bias ? bias[n] : 0.f);
+        const int mc = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const row512_fn kernel = w->kind == KIND_INT4 ? ROWS512_OF(KIND_INT4, mc) : ROWS512_OF(KIND_INT8, mc);
+        for (int64_t n = n0; n < n1; n++) {
+            float y[MAX_MC512];
+            kernel(w, n, xp + m0 * blocks * BLOCK, blocks, xsum + m0 * w->groups, y);
+            for (int m = 0; m < mc; m++) out[(m0 + m) * w->n + n] = y[m] + (bias ? bias[n] : 0.f);
         }
         m0 += mc;
     }

@@ -8,8 +8,7 @@
 #define STRATA_WEIGHT_ONLY_AVX512_H
 #include <immintrin.h>
 
-#define MAX_MC512 8   /* rows of x multiplied per pass over the weight */
-#define MAX_ROWS512 4 /* weight rows read together (MC * rows <= 4 keeps the accumulators in registers) */
+#define MAX_MC512 8 /* rows of x multiplied per pass over a weight row */
 
 /* Position p (0..31) of a prepared x block holds value source_of(kind, p) of the block. */
 static inline int source_of(int kind, int p) {
@@ -42,13 +41,12 @@ typedef struct {
     __m512i rot0, rot1, mask, one;
 } decoder_t;
 
-static inline decoder_t make_decoder(int kind) {
+static inline decoder_t make_decoder(void) {
     decoder_t d;
     d.one = _mm512_set1_epi32(0x3f800000);
     d.rot0 = _mm512_set_epi32(7, 7, 7, 7, 11, 11, 11, 11, 15, 15, 15, 15, 19, 19, 19, 19);
     d.rot1 = _mm512_set_epi32(23, 23, 23, 23, 27, 27, 27, 27, 31, 31, 31, 31, 3, 3, 3, 3);
     d.mask = _mm512_set1_epi32(0x00780000); /* bits 19-22 */
-    (void)kind;
     return d;
 }
 
@@ -79,47 +77,40 @@ static inline float zero_correction(const float *scales, const float *zeros, flo
     return _mm512_reduce_add_ps(acc);
 }
 
-/* NR weight rows from n against MC rows of prepared x, every block of the padded K: y[r * MC + m]. Each block's products gather in `acc`
-   (2 * NR * MC independent FMA chains sharing the x loads), which join `total` at the group's scale. */
-static inline __attribute__((always_inline)) void avx512_rows(const weights_t *w, int64_t n, const float *xp,
-                                                              int64_t blocks, const float *xsum, const int KIND,
-                                                              const int NR, const int MC, float *y) {
+/* Row n against MC rows of prepared x, every block of the padded K. Each block's products gather in `acc`
+   (2 * MC independent FMA chains), which joins `total` at the group's scale. */
+static inline __attribute__((always_inline)) void avx512_row(const weights_t *w, int64_t n, const float *xp,
+                                                             int64_t blocks, const float *xsum, const int KIND,
+                                                             const int MC, float *y) {
+    const uint8_t *row = w->data + n * w->row_bytes;
+    const float *scales = w->scales + n * w->groups;
     const int64_t per_group = w->group_size / BLOCK, x_stride = blocks * BLOCK;
-    const decoder_t d = make_decoder(KIND);
-    __m512 total[MAX_ROWS512][MAX_MC512];
-    for (int r = 0; r < NR; r++)
-        for (int m = 0; m < MC; m++) total[r][m] = _mm512_setzero_ps();
+    const decoder_t d = make_decoder();
+    __m512 total[MAX_MC512];
+    for (int m = 0; m < MC; m++) total[m] = _mm512_setzero_ps();
     for (int64_t g = 0, b = 0; b < blocks; g++) {
         const int64_t end = b + per_group < blocks ? b + per_group : blocks;
-        __m512 acc[MAX_ROWS512][MAX_MC512][2];
-        for (int r = 0; r < NR; r++)
-            for (int m = 0; m < MC; m++) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
-        for (; b < end; b++)
-            for (int r = 0; r < NR; r++) {
-                __m512 v[2];
-                decode_block(KIND, w->data + (n + r) * w->row_bytes, b, &d, v);
-                for (int m = 0; m < MC; m++) {
-                    const float *xb = xp + m * x_stride + b * BLOCK;
-                    acc[r][m][0] = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xb), acc[r][m][0]);
-                    acc[r][m][1] = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 16), acc[r][m][1]);
-                }
+        __m512 acc[MAX_MC512][2];
+        for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        for (; b < end; b++) {
+            __m512 v[2];
+            decode_block(KIND, row, b, &d, v);
+            for (int m = 0; m < MC; m++) {
+                const float *xb = xp + m * x_stride + b * BLOCK;
+                acc[m][0] = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xb), acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 16), acc[m][1]);
             }
-        for (int r = 0; r < NR; r++) {
-            const __m512 scale = _mm512_set1_ps(w->scales[(n + r) * w->groups + g]);
-            for (int m = 0; m < MC; m++)
-                total[r][m] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]), scale, total[r][m]);
         }
+        const __m512 scale = _mm512_set1_ps(scales[g]);
+        for (int m = 0; m < MC; m++) total[m] = _mm512_fmadd_ps(_mm512_add_ps(acc[m][0], acc[m][1]), scale, total[m]);
     }
     /* int4 decodes to 1 + q / 16, int8 to q. */
-    const float rr = KIND == KIND_INT4 ? 16.f : 1.f, zero = KIND == KIND_INT4 ? 8.f : 128.f;
-    const float offset = KIND == KIND_INT4 ? 16.f : 0.f;
-    for (int r = 0; r < NR; r++)
-        for (int m = 0; m < MC; m++) {
-            const float dot = _mm512_reduce_add_ps(total[r][m]);
-            const int64_t row = (n + r) * w->groups;
-            y[r * MC + m] = rr * dot - zero_correction(w->scales + row, w->zeros ? w->zeros + row : NULL, zero,
-                                                       xsum + m * w->groups, w->groups, offset);
-        }
+    const float r = KIND == KIND_INT4 ? 16.f : 1.f, offset = KIND == KIND_INT4 ? 16.f : 0.f;
+    const float zero = KIND == KIND_INT4 ? 8.f : 128.f;
+    const float *zeros = w->zeros ? w->zeros + n * w->groups : NULL;
+    for (int m = 0; m < MC; m++)
+        y[m] = r * _mm512_reduce_add_ps(total[m]) -
+               zero_correction(scales, zeros, zero, xsum + m * w->groups, w->groups, offset);
 }
 
 #endif
