@@ -1,6 +1,7 @@
 /* Small-batch linear products read straight from float32, bfloat16, int8 or int4 weights (strata's packed
    layout, strata/layers/quantization/weight_only.py), and the dequantization the large-batch path uses.
-   Built on first use by strata/native.py; AVX2/FMA when the machine has it, plain C otherwise. */
+   Built on first use by strata/native.py; AVX-512 (weight_only_avx512.h) or AVX2/FMA when the machine has it,
+   plain C otherwise. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,11 @@
 #define USE_AVX2 1
 #else
 #define USE_AVX2 0
+#endif
+#if USE_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(STRATA_NO_AVX512)
+#define USE_AVX512 1
+#else
+#define USE_AVX512 0
 #endif
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8 };
@@ -193,16 +199,78 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
     }
 }
 
+#if USE_AVX512
+#include "weight_only_avx512.h"
+
+typedef void (*row512_fn)(const weights_t *, int64_t, const float *, int64_t, const float *, float *);
+#define DEFINE_ROW512(KIND, MC)                                                                               \
+    static void row512_##KIND##_##MC(const weights_t *w, int64_t n, const float *xp, int64_t blocks,          \
+                                     const float *xsum, float *y) {                                            \
+        avx512_row(w, n, xp, blocks, xsum, KIND, MC, y);                                                       \
+    }
+#define DEFINE_ROWS512(KIND) DEFINE_ROW512(KIND, 1) DEFINE_ROW512(KIND, 2) DEFINE_ROW512(KIND, 4) DEFINE_ROW512(KIND, 8)
+DEFINE_ROWS512(KIND_INT4)
+DEFINE_ROWS512(KIND_INT8)
+#define ROWS512_OF(KIND, MC) \
+    ((MC) == 8 ? row512_##KIND##_8 : (MC) == 4 ? row512_##KIND##_4 : (MC) == 2 ? row512_##KIND##_2 : row512_##KIND##_1)
+
+/* Rows n0..n1 of the weight against every row of x, up to 8 rows of x per pass while the weight rows sit in
+   L1/L2. The kernel covers the padded K (its padding meets zeros in the prepared x). */
+static void rows_times_x512(const weights_t *w, int64_t n0, int64_t n1, const float *xp, int64_t blocks,
+                            int64_t m_total, const float *xsum, const float *bias, float *out) {
+    for (int64_t m0 = 0; m0 < m_total;) {
+        const int64_t left = m_total - m0;
+        const int mc = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const row512_fn kernel = w->kind == KIND_INT4 ? ROWS512_OF(KIND_INT4, mc) : ROWS512_OF(KIND_INT8, mc);
+        for (int64_t n = n0; n < n1; n++) {
+            float y[MAX_MC512];
+            kernel(w, n, xp + m0 * blocks * BLOCK, blocks, xsum + m0 * w->groups, y);
+            for (int m = 0; m < mc; m++) out[(m0 + m) * w->n + n] = y[m] + (bias ? bias[n] : 0.f);
+        }
+        m0 += mc;
+    }
+}
+
+static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
+                         int num_threads) {
+    const int64_t blocks = (w->k + BLOCK - 1) / BLOCK;
+    const size_t xp_floats = (size_t)(m_total * blocks * BLOCK);
+    float *xp = aligned_alloc(64, ((xp_floats + (size_t)(m_total * w->groups)) * sizeof(float) + 63) / 64 * 64);
+    if (!xp) return -1;
+    float *xsum = xp + xp_floats; /* x summed per group, in double: it meets the zero points' large factor */
+    for (int64_t m = 0; m < m_total; m++)
+        for (int64_t g = 0; g < w->groups; g++) {
+            double sum = 0.;
+            const int64_t hi = (g + 1) * w->group_size < w->k ? (g + 1) * w->group_size : w->k;
+            for (int64_t i = g * w->group_size; i < hi; i++) sum += x[m * w->k + i];
+            xsum[m * w->groups + g] = (float)sum;
+        }
+    avx512_prepare_x(w->kind, x, m_total, w->k, blocks, xp);
+    const int64_t tasks = (w->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    /* A small weight is read faster by one thread than the fork of a second costs. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (w->n * w->row_bytes * m_total >= (1 << 16))
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < w->n ? n0 + ROWS_PER_TASK : w->n;
+        rows_times_x512(w, n0, n1, xp, blocks, m_total, xsum, bias, out);
+    }
+    free(xp);
+    return 0;
+}
+#endif
+
 /* out[m_total, n] = x[m_total, k] (float32, contiguous) times the weight's transpose (+ bias, float32 or NULL).
    kind: 0 float32 / 1 bfloat16 weight [n, k]; 4 / 8: packed int4 / int8 with scales and zeros
-   [n, groups]. Rows of the weight are shared among the threads, each read once for every x row.
-   Returns 0, or -1 when scratch memory ran out. */
+   [n, groups]. Rows of the weight are shared among the threads, each read once for every x row (once for
+   every 8 rows with AVX-512). Returns 0, or -1 when scratch memory ran out. */
 int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *weight, int64_t row_bytes,
                        int kind, const float *scales, const float *zeros, int64_t groups, int64_t group_size,
                        const float *bias, float *out, int64_t n, int num_threads) {
     const int quantized = kind == KIND_INT4 || kind == KIND_INT8;
     const weights_t w = {weight, row_bytes, n, k, quantized ? groups : 1, quantized ? group_size : k + BLOCK,
                          scales, zeros, kind};
+#if USE_AVX512 /* dense kinds are memory-bound, and no faster with it */
+    if (quantized) return matmul_avx512(&w, x, m_total, bias, out, num_threads);
+#endif
     /* x summed per group over the full blocks, for the zero points. */
     float *xsum = calloc((size_t)(m_total * w.groups), sizeof(float));
     if (!xsum) return -1;

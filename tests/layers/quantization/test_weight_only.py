@@ -114,23 +114,47 @@ def test_kernel_dequantize_matches_the_reference():
             torch.testing.assert_close(cpu_matmul.dequantize(weight, kind, 232, scales, zeros, group), reference)
 
 
-def test_portable_c_build_matches_the_reference(tmp_path, monkeypatch):
-    """The plain-C fallback (for CPUs without AVX2/FMA), built here with the SIMD path switched off."""
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+# Each build the library can take, forced here so that a machine of any kind checks the others it can run:
+# the plain-C fallback (CPUs without AVX2/FMA), AVX2/FMA with AVX-512 off, and AVX-512.
+_BUILDS = {"portable": (["-DSTRATA_PORTABLE"], set()),
+           "avx2": (["-mavx2", "-mfma", "-DSTRATA_NO_AVX512"], {"avx2", "fma"}),
+           "avx512": (["-mavx2", "-mfma", "-mavx512f", "-mavx512bw"], {"avx2", "fma", "avx512f", "avx512bw"})}
+
+
+@pytest.mark.parametrize("build", sorted(_BUILDS))
+def test_each_c_build_matches_the_reference(build, tmp_path, monkeypatch):
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
+    flags, needs = _BUILDS[build]
+    if needs - _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
     source = Path(native.__file__).with_name("csrc") / "weight_only.c"
-    target = tmp_path / "weight_only_portable.so"
-    subprocess.run([compiler, "-O2", "-fopenmp", "-shared", "-fPIC", "-DSTRATA_PORTABLE", str(source), "-o",
-                    str(target), "-lm"], check=True)
+    target = tmp_path / f"weight_only_{build}.so"
+    subprocess.run([compiler, "-O2", "-fopenmp", "-shared", "-fPIC", *flags, str(source), "-o", str(target), "-lm"],
+                   check=True)
     monkeypatch.setattr(native, "load", lambda name: ctypes.CDLL(str(target)))
     cpu_matmul._library.cache_clear()
+    before = torch.get_num_threads()
     try:
-        x = torch.randn(3, 232, generator=torch.Generator().manual_seed(0))
-        for kind, weight, scales, zeros, group, reference in _kernel_cases(45, 232):
-            y = cpu_matmul.matmul(x, weight, kind, 45, scales, zeros, group)
-            torch.testing.assert_close(y.double(), x.double() @ reference.double().T, rtol=1e-4, atol=1e-4)
+        for m, threads in [(1, 1), (3, 2), (11, 2)]:  # 11 rows of x: passes of 8, 2 and 1 rows
+            torch.set_num_threads(threads)
+            x = torch.randn(m, 232, generator=torch.Generator().manual_seed(m))
+            for kind, weight, scales, zeros, group, reference in _kernel_cases(45, 232):
+                y = cpu_matmul.matmul(x, weight, kind, 45, scales, zeros, group)
+                expected = x.double() @ reference.double().T  # within 1e-5 of the outputs' scale
+                torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item(),
+                                           msg=lambda e, kind=kind, m=m: f"{build}, kind {kind}, {m} rows: {e}")
     finally:
+        torch.set_num_threads(before)
         cpu_matmul._library.cache_clear()
 
 
