@@ -49,6 +49,7 @@ class RankPlan:
     pp_rank: int
     layers: tuple[int, int]  # [start, end)
     param_bytes: int
+    lookup_table_bytes: int  # embedding tables a step reads one row of per token (not a tied LM head)
     kv_bytes_per_1k_tokens: int
     state_bytes_per_seq: int  # Mamba conv + SSM state slot
     has_embedding: bool
@@ -114,6 +115,8 @@ def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
         rank=rank, node=rank // (par.world_size // par.nnodes), tp_rank=tp_rank, pp_rank=pp_rank,
         layers=pp_layer_range(config.model.num_layers, pp_rank, pp, par.pp_layer_partition),
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        lookup_table_bytes=sum(e.weight.numel() * e.weight.element_size() for e in embeddings
+                               if not any(getattr(h, "weight", None) is e.weight for h in heads)),
         kv_bytes_per_1k_tokens=kv_bytes,
         state_bytes_per_seq=state_bytes_per_slot([m for m in model.modules() if isinstance(m, MambaState)],
                                                  config.model.dtype, config.cache.ssm_state_dtype(config.model.dtype)),

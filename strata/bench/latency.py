@@ -31,13 +31,14 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
 
 
 def weight_bytes(args: argparse.Namespace) -> int:
-    """Parameter bytes over all ranks, as `strata plan` counts them (quantized weights at their packed size):
-    what one decode step reads, counting the embedding table whole (the LM head reads it when tied)."""
+    """Parameter bytes over all ranks, as `strata plan` counts them (quantized weights at their packed size),
+    less an untied embedding table, of which a decode step reads one row per token (a tied one is the LM
+    head, read whole)."""
     from strata.config import EngineConfig
     from strata.plan import plan_layout
 
     config = EngineConfig.from_args(EngineArgs.from_cli_args(args, args.model))
-    return sum(p.param_bytes for p in plan_layout(config))
+    return sum(p.param_bytes - p.lookup_table_bytes for p in plan_layout(config))
 
 
 def read_loop_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:

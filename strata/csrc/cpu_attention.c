@@ -57,13 +57,23 @@ DEFINE_ATTEND(attend_bf16, bf16, bf16_to_f32)
    (is_bf16 = 0) or all bfloat16 (1); block_tables: [num_seqs, max_blocks]; sequence s attends keys
    first_keys[s] .. seq_lens[s] - 1. Work items are (sequence, slice of KV heads): whole sequences when there
    are enough of them to share among the threads, thinner slices for small batches.
-   Returns 0, or -1 when scratch memory ran out. */
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+   With new_k / new_v (else NULL), the step's keys and values (num_seqs rows of num_kv_heads * head_dim values,
+   rows `new_stride` elements apart) are first written to the cache at `slots`, so that a decode step's write
+   and read are one call. Returns 0, or -1 when scratch memory ran out. */
+int paged_decode_attention(const void *q, void *k_cache, void *v_cache, const int32_t *block_tables,
                            const int32_t *first_keys, const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                           float scale, void *out, int num_threads, int is_bf16) {
+                           float scale, void *out, int num_threads, int is_bf16, const void *new_k,
+                           const void *new_v, int64_t new_stride, const int64_t *slots) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
+    if (new_k) {
+        const size_t size = is_bf16 ? 2 : 4, row = (size_t)token_stride * size;
+        for (int64_t s = 0; s < num_seqs; s++) {
+            memcpy((char *)k_cache + slots[s] * row, (const char *)new_k + s * new_stride * size, row);
+            memcpy((char *)v_cache + slots[s] * row, (const char *)new_v + s * new_stride * size, row);
+        }
+    }
     int64_t slices = (4 * num_threads + num_seqs - 1) / num_seqs;
     slices = slices > num_kv_heads ? num_kv_heads : slices;
     const int64_t per_slice = (num_kv_heads + slices - 1) / slices;

@@ -140,6 +140,12 @@ class Attention(nn.Module):
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
         if meta.kernels == "triton":
             return self._forward_triton(q, k, v, meta)
+        if not meta.prefills and k.dtype == self.k_cache.dtype and cpu_attention.available(q, self.k_cache) and \
+                cpu_attention.rows_serve(k, v, meta.slot_mapping):  # a decode step: write and read in one call
+            tables, first_keys, seq_lens = meta.decode_key_ranges(self.sliding_window, self.chunk_size)
+            out = cpu_attention.paged_decode_attention(q, self.k_cache, self.v_cache, tables, first_keys, seq_lens,
+                                                       self.scale, new_kv=(k, v, meta.slot_mapping))
+            return out.view(q.shape[0], -1)
         flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))

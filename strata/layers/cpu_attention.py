@@ -23,7 +23,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.paged_decode_attention.argtypes = [pointer] * 6 + [i64] * 6 + [ctypes.c_float, pointer, ctypes.c_int,
-                                                                            ctypes.c_int]
+                                                                            ctypes.c_int, pointer, pointer, i64,
+                                                                            pointer]
         lib.paged_decode_attention.restype = ctypes.c_int
     return lib
 
@@ -39,19 +40,31 @@ def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and _library() is not None)
 
 
+def rows_serve(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether a decode step's new keys and values ([S, Hkv, D], e.g. views into a fused qkv output) can be
+    written by the kernel itself: token rows with contiguous heads, one row stride, int64 slots."""
+    return (k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == k.shape[2]
+            and slots.dtype == torch.int64 and slots.is_contiguous())
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, first_keys: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """q: [S, Hq, D]; caches: [blocks, block_size, Hkv, D]; block_tables: [S, max_blocks] int32;
-    sequence s attends keys first_keys[s] .. seq_lens[s] - 1 (int32). Returns [S, Hq, D]."""
+    sequence s attends keys first_keys[s] .. seq_lens[s] - 1 (int32). Returns [S, Hq, D]. With
+    `new_kv` = (k, v, slots) (see `rows_serve`) the step's keys and values are written to the cache first."""
     q = q.contiguous()
+    new_k, new_v, slots = new_kv if new_kv is not None else (None, None, None)
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
     status = _library().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), first_keys.data_ptr(),
         seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        scale, out.data_ptr(), torch.get_num_threads(), int(q.dtype == torch.bfloat16))
+        scale, out.data_ptr(), torch.get_num_threads(), int(q.dtype == torch.bfloat16),
+        None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
+        0 if new_k is None else new_k.stride(0), None if slots is None else slots.data_ptr())
     if status != 0:
         raise MemoryError("CPU attention kernel could not allocate its scratch memory")
     return out

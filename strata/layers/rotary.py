@@ -1,13 +1,36 @@
-"""Rotary position embeddings (half-split "neox" and interleaved-pair styles), with llama3 scaling."""
+"""Rotary position embeddings (half-split "neox" and interleaved-pair styles), with llama3 scaling; a decode
+step's heads on CPU are rotated in place by a small C kernel (one call for q and k instead of a dozen ops)."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from strata import native
 from strata.errors import UnsupportedModelError
+
+KERNEL_TOKENS = 16  # a decode step's; prefill keeps torch's vectorized, threaded ops
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = native.load("rotary")
+    if lib is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.rope_half_split.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_int]
+        lib.rope_half_split.restype = None
+    return lib
+
+
+def _kernel_serves(x: torch.Tensor, head_dim: int) -> bool:
+    """[T, H, D] heads whose values are contiguous per token row (e.g. views into a fused qkv output)."""
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 3 and x.shape[0] <= KERNEL_TOKENS
+            and x.stride(2) == 1 and x.stride(1) == head_dim and _library() is not None)
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -49,6 +72,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last_half: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
@@ -66,13 +90,28 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        """q: [T, Hq, D], k: [T, Hk, D] -> the rotated heads: copies, or q and k themselves rotated in place (a
+        decode step on CPU; callers pass fresh projections)."""
+        if not self.interleaved and _kernel_serves(q, self.head_dim) and _kernel_serves(k, self.head_dim):
+            return self._rotate_in_place(positions, q, k)
         if not self.interleaved:
             cos, sin = self._tables(positions, q.dtype)
             return self._rotate_half_split(q, cos, sin), self._rotate_half_split(k, cos, sin)
         cos, sin = self.cos_sin(positions, q.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
+
+    def _rotate_in_place(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated in place: callers pass fresh projections (views into one qkv output)."""
+        if self._last_half is None or self._last_half[0] is not positions or self._last_half[1] != q.dtype:
+            cos, sin = self.cos_sin(positions, q.dtype)
+            self._last_half = (positions, q.dtype, (cos.contiguous(), sin.contiguous()))
+        cos, sin = self._last_half[2]
+        for x in (q, k):
+            _library().rope_half_split(x.data_ptr(), x.shape[0], x.shape[1], self.head_dim, x.stride(0),
+                                       cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype])
+        return q, k
 
     @staticmethod
     def _rotate_half_split(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -94,3 +94,26 @@ def test_bfloat16_kernel_computes_in_float32_from_bfloat16_values():
 def test_float16_caches_use_the_gather_path():
     q = torch.zeros(1, 2, 8, dtype=torch.float16)
     assert not cpu_attention.available(q, torch.zeros(1, 4, 2, 8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_writes_its_keys_and_reads_the_cache_in_one_call(dtype):
+    seq_lens = [4, 17, 33]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, 2, 16, 8, seed=4)
+    q, k_cache, v_cache = (t.to(dtype) for t in (q, k_cache, v_cache))
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(len(seq_lens), (8 + 2 + 2) * 16, generator=g).to(dtype)  # k and v as views into one row
+    k, v = qkv[:, 128:160].view(-1, 2, 16), qkv[:, 160:].view(-1, 2, 16)
+    slots = torch.tensor([int(tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8 for i, n in enumerate(seq_lens)])
+    meta = AttentionMetadata(slots, len(seq_lens), tables, lens, [], 8)
+    layer = Attention(8, 2, 16, scale=0.25)
+    layer.k_cache, layer.v_cache = k_cache.clone(), v_cache.clone()
+    assert cpu_attention.rows_serve(k, v, slots)
+    fused = layer(q, k, v, meta)
+    k_cache.view(-1, 2, 16)[slots], v_cache.view(-1, 2, 16)[slots] = k, v
+    assert torch.equal(layer.k_cache, k_cache) and torch.equal(layer.v_cache, v_cache)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.25).reshape(len(seq_lens), -1)  # float64 math
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(fused.float(), expected.bfloat16().float(), atol=0, rtol=2 ** -7)
+    else:
+        torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
