@@ -6,7 +6,7 @@ import logging
 import torch
 
 from strata import LLM, SamplingParams, native
-from strata.layers import cpu_attention
+from strata.layers import cpu_attention, onednn_weights
 from strata.layers.quantization import cpu_matmul
 
 
@@ -27,17 +27,19 @@ def test_plain_torch_paths_give_the_tokens_of_the_cpu_kernels(llama_gqa, monkeyp
                for n in (3, 17, 40)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     calls = []
-    kernel = cpu_matmul.matmul
-    monkeypatch.setattr(cpu_matmul, "matmul", lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
+    for module, name in ((cpu_matmul, "matmul"), (onednn_weights, "small_batch_linear")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, kernel=kernel, **kw: calls.append(1) or kernel(*args, **kw))
 
     def tokens() -> list[list[int]]:
         llm = LLM(str(llama_gqa), dtype="float32", device="cpu", max_model_len=128)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     with_kernels = tokens()
-    assert calls, "decode steps of up to 3 sequences should run the C matmul kernel"
+    assert calls, "decode steps of up to 3 sequences should run the C matmul kernels"
     monkeypatch.setattr(cpu_attention, "_library", lambda: None)  # decode attention gathers the blocks
     monkeypatch.setattr(cpu_matmul, "_library", lambda: None)  # linear layers run oneDNN / F.linear
+    monkeypatch.setattr(onednn_weights, "_library", lambda: None)
     calls.clear()
     assert tokens() == with_kernels
     assert not calls

@@ -20,6 +20,7 @@ from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
 from strata.layers.attention import Attention
 from strata.layers.forward_meta import ForwardMeta
+from strata.layers.linear import pack_linear_weights
 from strata.layers.mamba.mixer import MambaState, allocate_states, state_bytes_per_slot
 from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
 from strata.models import loader
@@ -66,6 +67,8 @@ class ModelRunner:
                     config.model.architecture, self.weight_bytes / 2**20, time.monotonic() - started)
         if device.type == "cpu":
             keep_freed_host_memory()
+            pack_linear_weights(self.model)
+            logger.info("%s linear weights packed for oneDNN", pc.log_prefix)
             cpu_attention.prepare()  # a first-time compile belongs to start-up, not to the first request
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)

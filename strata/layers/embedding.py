@@ -61,6 +61,12 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
         logits = self.pc.all_gather(self.matmul(hidden, None))
         return logits[..., : self.vocab_size]  # padding columns are never sampled
 
+    def pack_weight(self) -> None:
+        """A tied head is the embedding's table, which lookups read row by row: it stays plain (no second copy);
+        the kernels of `linear` read a plain weight too."""
+        if not self.tied:
+            super().pack_weight()
+
     def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
         """This rank's vocabulary rows of a checkpoint tensor; padding rows past the vocabulary load nothing."""
         return [(0, self.start, max(0, min(self.rows_per_rank, self.vocab_size - self.start)))]

@@ -1,39 +1,69 @@
-"""`linear` on CPU: plain float32 / bfloat16 weights through the C kernel (few rows) or oneDNN (more rows)."""
+"""`linear` on CPU: a packed weight (oneDNN's layout) through the blocked C kernel (few rows) or oneDNN (more rows),
+a plain one (a tied LM head's table) through the plain C kernel or oneDNN; all give F.linear's product."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.layers import linear as linear_module
+from strata.layers import onednn_weights
 from strata.layers.linear import SMALL_BATCH_DENSE, linear
 from strata.layers.quantization import cpu_matmul
 
+DTYPES = [torch.float32] + ([torch.bfloat16] if onednn_weights.can_pack(torch.zeros(1, dtype=torch.bfloat16))
+                            else [])
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+
+def _spy(monkeypatch, module, name) -> list:
+    calls, kernel = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear_on_either_path(dtype, rows, bias, monkeypatch):
-    if not cpu_matmul.available():
+@pytest.mark.parametrize("packed", [True, False])
+def test_linear_matches_f_linear_on_every_path(dtype, rows, bias, packed, monkeypatch):
+    if not cpu_matmul.available() or onednn_weights._library() is None:
         pytest.skip("no C compiler")
-    calls = []
-    kernel = cpu_matmul.matmul
-    monkeypatch.setattr(cpu_matmul, "matmul", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    blocked, plain = _spy(monkeypatch, onednn_weights, "small_batch_linear"), _spy(monkeypatch, cpu_matmul, "matmul")
     g = torch.Generator().manual_seed(rows)
-    w = (torch.randn(77, 100, generator=g) * 0.1).to(dtype)  # neither dimension a multiple of 32
+    w = (torch.randn(77, 100, generator=g) * 0.1).to(dtype)  # neither dimension a multiple of a block
     b = torch.randn(77, generator=g).to(dtype) if bias else None
     x = torch.randn(rows, 100, generator=g).to(dtype)
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    got = linear(x, w, b)
+    weight = onednn_weights.pack(w) if packed else w
+    if packed:
+        assert weight.blocked_layout is not None
+    blocked.clear()
+    got = linear(x, weight, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (rows, 77)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-    assert bool(calls) == (rows <= SMALL_BATCH_DENSE)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    small = rows <= SMALL_BATCH_DENSE
+    assert (bool(blocked), bool(plain)) == ((small, False) if packed else (False, small))
 
 
-def test_linear_keeps_leading_dimensions_and_runs_without_the_kernel(monkeypatch):
+def test_a_packed_weight_whose_layout_is_unknown_runs_onednn_for_every_batch(monkeypatch):
+    monkeypatch.setattr(onednn_weights, "_BLOCKS", (8,))  # no candidate of that block size fits the buffer
+    weight = onednn_weights.pack(torch.randn(70, 40))
+    assert weight.blocked_layout is None
+    x = torch.randn(1, 40)
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight.to_dense()), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_keeps_leading_dimensions_and_runs_without_the_kernels(monkeypatch):
     x, w = torch.randn(1, 2, 40), torch.randn(9, 40)
-    with_kernel = linear(x, w)
+    with_kernel = linear(x, onednn_weights.pack(w))
     monkeypatch.setattr(cpu_matmul, "_library", lambda: None)
-    assert linear_module.linear(x, w).shape == with_kernel.shape == (1, 2, 9)
+    assert with_kernel.shape == linear(x, w).shape == (1, 2, 9)
     torch.testing.assert_close(linear(x, w), with_kernel, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layout_of_the_right_size_is_taken_only_if_it_reproduces_onednn(monkeypatch):
+    weight = torch.randn(128, 64)
+    real = onednn_weights.pack(weight).blocked_layout
+    wrong = 32 if real.block == 64 else 64  # both fill exactly the same buffer for 128 outputs
+    monkeypatch.setattr(onednn_weights, "_BLOCKS", (wrong, real.block))
+    assert onednn_weights.pack(weight).blocked_layout == real

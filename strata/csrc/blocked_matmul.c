@@ -1,0 +1,68 @@
+/* Small-batch products read straight from oneDNN's packed (blocked) linear weights, so that one copy of each
+   weight serves oneDNN's GEMM for large batches and this kernel for the few rows of a decode step. Built on
+   first use by strata/native.py, called from strata/layers/onednn_weights.py, which checks the layout. */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define MAX_ROWS 4 /* rows of x per pass over a block of weights */
+
+/* Layout: outputs in blocks of NB; block b holds k_pad rows of NB outputs (float32), or k_pad / 2 rows of NB
+   pairs (bfloat16: values k and k + 1 of one output side by side); padding holds zeros. */
+#define DEFINE_BLOCK(NAME, NB)                                                                                 \
+    static void NAME(const float *x, int64_t rows, int64_t k, const void *block, int bf16, float *acc) {      \
+        for (int64_t i = 0; i < rows * NB; i++) acc[i] = 0.f;                                                  \
+        if (!bf16) {                                                                                           \
+            const float *w = block;                                                                            \
+            for (int64_t kk = 0; kk < k; kk++, w += NB)                                                        \
+                for (int64_t m = 0; m < rows; m++) {                                                           \
+                    const float xv = x[m * k + kk];                                                            \
+                    float *a = acc + m * NB;                                                                   \
+                    _Pragma("omp simd") for (int64_t i = 0; i < NB; i++) a[i] += xv * w[i];                    \
+                }                                                                                              \
+            return;                                                                                            \
+        }                                                                                                      \
+        const uint32_t *w = block;                                                                             \
+        for (int64_t kk = 0; kk < k; kk += 2, w += NB)                                                         \
+            for (int64_t m = 0; m < rows; m++) {                                                               \
+                const float x0 = x[m * k + kk], x1 = kk + 1 < k ? x[m * k + kk + 1] : 0.f;                     \
+                float *a = acc + m * NB;                                                                       \
+                _Pragma("omp simd") for (int64_t i = 0; i < NB; i++) {                                         \
+                    uint32_t lo_bits = w[i] << 16, hi_bits = w[i] & 0xffff0000u;                               \
+                    float lo, hi;                                                                              \
+                    memcpy(&lo, &lo_bits, 4);                                                                  \
+                    memcpy(&hi, &hi_bits, 4);                                                                  \
+                    a[i] += x0 * lo + x1 * hi;                                                                 \
+                }                                                                                              \
+            }                                                                                                  \
+    }
+
+DEFINE_BLOCK(block_64, 64)
+DEFINE_BLOCK(block_32, 32)
+DEFINE_BLOCK(block_16, 16)
+DEFINE_BLOCK(block_8, 8)
+
+typedef void (*block_fn)(const float *, int64_t, int64_t, const void *, int, float *);
+
+/* out[m_total, n] (+ bias) = x[m_total, k] times the blocked weight's transpose; nb is 8, 16, 32 or 64,
+   k_pad the padded rows per block (a multiple of 2 for bfloat16). Returns -1 for an unsupported nb. */
+int blocked_matmul(const float *x, int64_t m_total, int64_t k, const void *weight, int bf16, int64_t nb,
+                   int64_t k_pad, int64_t n, const float *bias, float *out, int num_threads) {
+    const block_fn fn = nb == 64 ? block_64 : nb == 32 ? block_32 : nb == 16 ? block_16 : nb == 8 ? block_8 : NULL;
+    if (!fn) return -1;
+    const int64_t blocks = (n + nb - 1) / nb, block_bytes = k_pad * nb * (bf16 ? 2 : 4);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        float acc[MAX_ROWS * 64];
+        const int64_t n0 = b * nb, width = n0 + nb <= n ? nb : n - n0;
+        for (int64_t m0 = 0; m0 < m_total; m0 += MAX_ROWS) {
+            const int64_t rows = m_total - m0 < MAX_ROWS ? m_total - m0 : MAX_ROWS;
+            fn(x + m0 * k, rows, k, (const char *)weight + b * block_bytes, bf16, acc);
+            for (int64_t m = 0; m < rows; m++)
+                for (int64_t i = 0; i < width; i++)
+                    out[(m0 + m) * n + n0 + i] = acc[m * nb + i] + (bias ? bias[n0 + i] : 0.f);
+        }
+    }
+    return 0;
+}
