@@ -2,6 +2,7 @@
    weight serves oneDNN's GEMM for large batches and this kernel for the few rows of a decode step. Built on
    first use by strata/native.py, called from strata/layers/onednn_weights.py, which checks the layout. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -45,12 +46,22 @@ DEFINE_BLOCK(block_8, 8)
 
 typedef void (*block_fn)(const float *, int64_t, int64_t, const void *, int, float *);
 
-/* out[m_total, n] (+ bias) = x[m_total, k] times the blocked weight's transpose; nb is 8, 16, 32 or 64,
-   k_pad the padded rows per block (a multiple of 2 for bfloat16). Returns -1 for an unsupported nb. */
-int blocked_matmul(const float *x, int64_t m_total, int64_t k, const void *weight, int bf16, int64_t nb,
-                   int64_t k_pad, int64_t n, const float *bias, float *out, int num_threads) {
+/* out[m_total, n] (+ bias, float32) = x[m_total, k] times the blocked weight's transpose; x and out are float32,
+   or bfloat16 when io_bf16 (widened on entry, rounded on the way out, the math in float32); nb is 8, 16, 32 or
+   64, k_pad the padded rows per block (a multiple of 2 for bfloat16 weights). Returns -1 for an unsupported nb,
+   -2 when scratch memory ran out. */
+int blocked_matmul(const void *x_in, int64_t m_total, int64_t k, const void *weight, int bf16, int64_t nb,
+                   int64_t k_pad, int64_t n, const float *bias, void *out_any, int num_threads, int io_bf16) {
     const block_fn fn = nb == 64 ? block_64 : nb == 32 ? block_32 : nb == 16 ? block_16 : nb == 8 ? block_8 : NULL;
     if (!fn) return -1;
+    float *widened = NULL;
+    const float *x = x_in;
+    if (io_bf16) {
+        widened = malloc((size_t)(m_total * k) * sizeof(float));
+        if (!widened) return -2;
+        for (int64_t i = 0; i < m_total * k; i++) widened[i] = bf16_to_f32(((const uint16_t *)x_in)[i]);
+        x = widened;
+    }
     const int64_t blocks = (n + nb - 1) / nb, block_bytes = k_pad * nb * (bf16 ? 2 : 4);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++) {
@@ -60,9 +71,13 @@ int blocked_matmul(const float *x, int64_t m_total, int64_t k, const void *weigh
             const int64_t rows = m_total - m0 < MAX_ROWS ? m_total - m0 : MAX_ROWS;
             fn(x + m0 * k, rows, k, (const char *)weight + b * block_bytes, bf16, acc);
             for (int64_t m = 0; m < rows; m++)
-                for (int64_t i = 0; i < width; i++)
-                    out[(m0 + m) * n + n0 + i] = acc[m * nb + i] + (bias ? bias[n0 + i] : 0.f);
+                for (int64_t i = 0; i < width; i++) {
+                    const float y = acc[m * nb + i] + (bias ? bias[n0 + i] : 0.f);
+                    if (io_bf16) ((uint16_t *)out_any)[(m0 + m) * n + n0 + i] = f32_to_bf16(y);
+                    else ((float *)out_any)[(m0 + m) * n + n0 + i] = y;
+                }
         }
     }
+    free(widened);
     return 0;
 }

@@ -28,7 +28,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if 0 < rows <= SMALL_BATCH_DENSE and weight.blocked_layout is not None:
             y = onednn_weights.small_batch_linear(x.reshape(rows, -1), weight, weight.blocked_layout,
                                                   weight.out_features, bias)
-            return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+            return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)  # .to: no-op for float32 / bfloat16
         return onednn_weights.onednn_linear(x, weight, bias)
     if x.device.type == "cpu" and 0 < rows <= SMALL_BATCH_DENSE:
         kind = cpu_matmul.dense_kind(weight)

@@ -34,7 +34,8 @@ def _library() -> ctypes.CDLL | None:
     lib = native.load("blocked_matmul")
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.blocked_matmul.argtypes = [p, i64, i64, p, ctypes.c_int, i64, i64, i64, p, p, ctypes.c_int]
+        lib.blocked_matmul.argtypes = [p, i64, i64, p, ctypes.c_int, i64, i64, i64, p, p, ctypes.c_int,
+                                       ctypes.c_int]
         lib.blocked_matmul.restype = ctypes.c_int
     return lib
 
@@ -77,7 +78,7 @@ def find_layout(packed: torch.Tensor, n: int, k: int) -> BlockedLayout | None:
             if -(-n // block) * block * k_pad * element != nbytes:
                 continue
             layout = BlockedLayout(block, k_pad)
-            got = small_batch_linear(x, packed, layout, n, None)
+            got = small_batch_linear(x.float(), packed, layout, n, None)
             # A wrong layout is off by about the outputs' size; bfloat16 rounding by under 1% of it.
             if torch.allclose(got, want, rtol=0, atol=1e-2 * float(want.abs().max()) + 1e-6):
                 return layout
@@ -87,15 +88,20 @@ def find_layout(packed: torch.Tensor, n: int, k: int) -> BlockedLayout | None:
 
 def small_batch_linear(x: torch.Tensor, packed: torch.Tensor, layout: BlockedLayout, n: int,
                        bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (any float dtype) times the packed weight read in place: [M, n] float32."""
-    rows = x.to(torch.float32).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    """x [M, K] times the packed weight read in place: [M, n] in x's dtype (float32 or bfloat16; others are
+    computed in float32), the math in float32."""
+    rows = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(torch.float32)
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=rows.dtype)
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     status = _library().blocked_matmul(
         rows.data_ptr(), rows.shape[0], rows.shape[1], torch.ops.mkldnn.data_ptr(packed),
         int(packed.dtype == torch.bfloat16), layout.block, layout.k_pad, n,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        int(rows.dtype == torch.bfloat16))
+    if status == -2:
+        raise MemoryError("blocked matmul kernel could not allocate its scratch memory")
     if status != 0:
         raise ValueError(f"blocked layout {layout} is not supported by the kernel")
     return out
