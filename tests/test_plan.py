@@ -61,6 +61,14 @@ def test_pipeline_stages_split_the_checkpoint_without_overlap(llama5):
 def test_a_tied_lm_head_brings_the_embedding_to_the_last_stage(llama_tied):
     plans = plan_layout(EngineConfig.create(str(llama_tied), pipeline_parallel_size=3))
     assert [(p.has_embedding, p.has_lm_head) for p in plans] == [(True, False), (False, False), (True, True)]
+    # The first stage only looks rows up; on the last the table is the LM head, read whole.
+    config = EngineConfig.create(str(llama_tied)).model.text_config
+    assert [p.lookup_table_bytes for p in plans] == [config.vocab_size * config.hidden_size * 4, 0, 0]
+
+
+def test_an_untied_embedding_table_counts_as_looked_up_not_read_whole(llama5):
+    plans = plan_layout(EngineConfig.create(str(llama5), dtype="float32", tensor_parallel_size=2))
+    assert [p.lookup_table_bytes for p in plans] == [320 * 64 * 4 // 2] * 2  # vocabulary padded to 320, split
 
 
 def test_plan_shows_the_mamba_state_each_rank_keeps_per_sequence(tmp_path, capsys):
