@@ -64,7 +64,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def find_layout(packed: torch.Tensor, n: int, k: int) -> BlockedLayout | None:
     """The layout whose size matches the packed buffer and whose product equals oneDNN's on a random input.
     oneDNN does not publish its choice, so each candidate is checked against oneDNN itself."""
-    if _library() is None:
+    if _library() is None or not hasattr(torch.ops.mkldnn, "data_ptr"):  # an op giving the raw packed buffer
         return None
     element = 2 if packed.dtype == torch.bfloat16 else 4
     nbytes = torch.ops.mkldnn._nbytes(packed)

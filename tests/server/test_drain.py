@@ -109,12 +109,14 @@ def test_past_max_waiting_requests_new_ones_get_503_with_retry_after(server_chec
 
 
 def test_a_second_sigint_exits_at_once(server_checkpoint, tmp_path):
-    server = _start(server_checkpoint, tmp_path, "--max-num-seqs", "2", "--shutdown-timeout", "60")
+    # A stream long enough that it cannot end between the two signals, however fast decode is.
+    server = _start(server_checkpoint, tmp_path, "--max-num-seqs", "2", "--shutdown-timeout", "60",
+                    "--max-model-len", "4096", "--kv-cache-memory", "64M")
     try:
         async def run() -> str:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
                 started = asyncio.Event()
-                stream = asyncio.create_task(_stream(client, 0, 240, started))
+                stream = asyncio.create_task(_stream(client, 0, 4000, started))
                 await asyncio.wait_for(started.wait(), 60)
                 server.process.send_signal(signal.SIGINT)
                 await asyncio.sleep(0.3)

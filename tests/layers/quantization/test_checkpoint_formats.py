@@ -4,7 +4,6 @@ dense checkpoint of the very weights a hand-packed one encodes."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,23 +24,11 @@ from model_forward import strata_logits  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 from hand_packed import write_awq_and_dense, write_gptq_and_dense  # noqa: E402
+from llmc_env import MAX_TOKENS, PROMPTS, llmc_python, relative_error  # noqa: E402
 
-# llm-compressor pins an older transformers than strata's, so it lives in its own environment (.ci/run makes it).
-LLMC_PYTHON = os.environ.get("STRATA_LLMC_PYTHON", str(HERE.parents[2] / ".ci-llmc" / "bin" / "python"))
 WEIGHT_ONLY = ["W4A16", "W4A16_ASYM", "W8A16", "W4A16_G32", "W4A16_ASYM_G64", "W4A16_CHANNEL",
                "W4A16_G32_HEAD"]
 ACTIVATION_QUANTIZED = ["W8A8", "FP8_DYNAMIC"]
-PROMPTS = [[0, 5, 9, 13], [0, 100, 200], [0, 7, 7, 7, 7, 30], [0, 250], [0, 42, 43, 44, 45, 46, 47, 48],
-           [0, 300, 12, 1]]
-MAX_TOKENS = 32
-
-
-def _llmc() -> str:
-    if not Path(LLMC_PYTHON).is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"llm-compressor's environment {LLMC_PYTHON} is missing (.ci/run builds it)")
-        pytest.skip(f"llm-compressor's environment {LLMC_PYTHON} is not installed (see .ci/run)")
-    return LLMC_PYTHON
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +39,7 @@ def quant_base(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def compressed(quant_base) -> dict[str, Path]:
-    python = _llmc()
+    python = llmc_python()
     parent = quant_base.parent / "llmc"
     schemes = WEIGHT_ONLY + ACTIVATION_QUANTIZED
     subprocess.run([python, str(HERE / "write_llmcompressor_checkpoint.py"), str(quant_base), str(parent),
@@ -63,7 +50,7 @@ def compressed(quant_base) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def oracle(compressed, quant_base) -> dict[str, dict]:
     out = quant_base.parent / "oracle.pt"
-    subprocess.run([_llmc(), str(HERE / "transformers_oracle.py"), json.dumps(PROMPTS), str(MAX_TOKENS), str(out),
+    subprocess.run([llmc_python(), str(HERE / "transformers_oracle.py"), json.dumps(PROMPTS), str(MAX_TOKENS), str(out),
                     *map(str, compressed.values())], check=True, capture_output=True)
     results = torch.load(out)
     return {name: results[str(path)] for name, path in compressed.items()}
@@ -76,16 +63,12 @@ def _generate(path: Path, logprobs: int | None = None, **options):
     return [o.outputs[0] for o in outs]
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY)
 def test_weight_only_checkpoint_matches_transformers_tokens_and_logits(scheme, compressed, oracle):
     expected = oracle[scheme]
     assert [o.token_ids for o in _generate(compressed[scheme])] == expected["tokens"]
     for prompt, tokens, logits in zip(PROMPTS, expected["tokens"], expected["logits"], strict=True):
-        assert _relative(strata_logits(compressed[scheme], prompt + tokens), logits) < 1e-3
+        assert relative_error(strata_logits(compressed[scheme], prompt + tokens), logits) < 1e-3
 
 
 @pytest.mark.parametrize("scheme", ACTIVATION_QUANTIZED)
@@ -145,7 +128,7 @@ def test_hand_packed_gptq_and_awq_match_their_dense_weights(kind, quant_base, tm
         group = -1 if "channel" in kind else 32 if "g32" in kind else 64
         write_gptq_and_dense(quant_base, packed, dense, bits, group, "asym" not in kind, "desc_act" in kind)
     sequence = PROMPTS[0] + list(range(10, 30))
-    assert _relative(strata_logits(packed, sequence), strata_logits(dense, sequence)) < 1e-3
+    assert relative_error(strata_logits(packed, sequence), strata_logits(dense, sequence)) < 1e-3
     assert [o.token_ids for o in _generate(packed)][:2] == [o.token_ids for o in _generate(dense)][:2]
 
 

@@ -25,7 +25,8 @@ from model_forward import strata_logits  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 from hand_packed import write_awq_and_dense, write_gptq_and_dense  # noqa: E402
-from test_checkpoint_formats import MAX_TOKENS, PROMPTS, _broken_copy, _llmc, _relative  # noqa: E402
+from llmc_env import MAX_TOKENS, PROMPTS, llmc_python, relative_error  # noqa: E402
+from test_checkpoint_formats import _broken_copy  # noqa: E402
 
 # Group 32 divides the experts' width on each of 2 TP ranks (64 / 2), not on 4.
 SCHEMES = ["W4A16_G32", "W4A16_ASYM_G32", "W8A16_CHANNEL"]
@@ -40,8 +41,8 @@ def moe_base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def moe_compressed(moe_base) -> dict[str, Path]:
     parent = moe_base.parent / "llmc"
-    subprocess.run([_llmc(), str(HERE / "write_llmcompressor_checkpoint.py"), str(moe_base), str(parent), *SCHEMES],
-                   check=True, capture_output=True)
+    subprocess.run([llmc_python(), str(HERE / "write_llmcompressor_checkpoint.py"), str(moe_base), str(parent),
+                    *SCHEMES], check=True, capture_output=True)
     return {s: parent / s for s in SCHEMES}
 
 
@@ -50,10 +51,10 @@ def moe_oracle(moe_compressed) -> dict[str, dict]:
     dense = {}
     for scheme, path in moe_compressed.items():
         dense[scheme] = path.parent / f"{scheme}-dense"
-        subprocess.run([_llmc(), str(HERE / "decompress_checkpoint.py"), str(path), str(dense[scheme])],
+        subprocess.run([llmc_python(), str(HERE / "decompress_checkpoint.py"), str(path), str(dense[scheme])],
                        check=True, capture_output=True)
     out = next(iter(dense.values())).parent / "oracle.pt"
-    subprocess.run([_llmc(), str(HERE / "transformers_oracle.py"), json.dumps(PROMPTS), str(MAX_TOKENS), str(out),
+    subprocess.run([llmc_python(), str(HERE / "transformers_oracle.py"), json.dumps(PROMPTS), str(MAX_TOKENS), str(out),
                     *map(str, dense.values())], check=True, capture_output=True)
     results = torch.load(out)
     return {scheme: results[str(path)] for scheme, path in dense.items()}
@@ -80,7 +81,7 @@ def test_quantized_experts_match_the_decompressed_checkpoint_in_transformers(sch
     expected = moe_oracle[scheme]
     assert _tokens(moe_compressed[scheme]) == expected["tokens"]
     for prompt, tokens, logits in zip(PROMPTS, expected["tokens"], expected["logits"], strict=True):
-        assert _relative(strata_logits(moe_compressed[scheme], prompt + tokens), logits) < 1e-3
+        assert relative_error(strata_logits(moe_compressed[scheme], prompt + tokens), logits) < 1e-3
 
 
 def test_experts_stay_packed_in_memory(moe_compressed):
@@ -151,16 +152,16 @@ def test_multimodal_checkpoint_runs_its_quantized_experts_like_the_decompressed_
     list) start with `language_model.`. Oracle: strata's dense path (checked against transformers in
     tests/models/test_llama4_vision.py) on compressed-tensors' decompression of the same file."""
     base = make_llama4_multimodal(tmp_path / "base", text_overrides={"intermediate_size": 64})
-    subprocess.run([_llmc(), str(HERE / "write_llmcompressor_checkpoint.py"), str(base), str(tmp_path), "W4A16_G32"],
-                   check=True, capture_output=True)
+    subprocess.run([llmc_python(), str(HERE / "write_llmcompressor_checkpoint.py"), str(base), str(tmp_path),
+                    "W4A16_G32"], check=True, capture_output=True)
     quantized, dense = tmp_path / "W4A16_G32", tmp_path / "dense"
-    subprocess.run([_llmc(), str(HERE / "decompress_checkpoint.py"), str(quantized), str(dense)], check=True,
+    subprocess.run([llmc_python(), str(HERE / "decompress_checkpoint.py"), str(quantized), str(dense)], check=True,
                    capture_output=True)
     with safe_open(str(quantized / "model.safetensors"), framework="pt") as f:
         assert f"language_model.{EXPERTS}.0.gate_proj.weight_packed" in f.keys()
     assert _tokens(quantized)[:3] == _tokens(dense)[:3]
     sequence = PROMPTS[0] + list(range(10, 40))
-    assert _relative(strata_logits(quantized, sequence), strata_logits(dense, sequence)) < 1e-3
+    assert relative_error(strata_logits(quantized, sequence), strata_logits(dense, sequence)) < 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +189,7 @@ def _hand_packed(kind: str, base: Path, folder: Path) -> tuple[Path, Path]:
 def test_hand_packed_gptq_and_awq_experts_match_their_dense_weights(kind, per_expert_base, tmp_path):
     packed, dense = _hand_packed(kind, per_expert_base, tmp_path)
     sequence = PROMPTS[0] + list(range(10, 40))
-    assert _relative(strata_logits(packed, sequence), strata_logits(dense, sequence)) < 1e-3
+    assert relative_error(strata_logits(packed, sequence), strata_logits(dense, sequence)) < 1e-3
     assert _tokens(packed)[:3] == _tokens(dense)[:3]
 
 
