@@ -52,8 +52,10 @@ def pack(weight: torch.Tensor) -> nn.Parameter:
     (`blocked_layout`, None when no layout it knows reproduces oneDNN's products)."""
     param = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT),
                          requires_grad=False)
-    param.blocked_layout = find_layout(param, *weight.shape)
     param.out_features = weight.shape[0]
+    # The packed buffer never moves: its address is read once here, not through an op on every decode step.
+    param.buffer_address = torch.ops.mkldnn.data_ptr(param) if hasattr(torch.ops.mkldnn, "data_ptr") else None
+    param.blocked_layout = find_layout(param, *weight.shape)
     return param
 
 
@@ -64,7 +66,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def find_layout(packed: torch.Tensor, n: int, k: int) -> BlockedLayout | None:
     """The layout whose size matches the packed buffer and whose product equals oneDNN's on a random input.
     oneDNN does not publish its choice, so each candidate is checked against oneDNN itself."""
-    if _library() is None or not hasattr(torch.ops.mkldnn, "data_ptr"):  # an op giving the raw packed buffer
+    if _library() is None or packed.buffer_address is None:
         return None
     element = 2 if packed.dtype == torch.bfloat16 else 4
     nbytes = torch.ops.mkldnn._nbytes(packed)
@@ -96,7 +98,7 @@ def small_batch_linear(x: torch.Tensor, packed: torch.Tensor, layout: BlockedLay
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     status = _library().blocked_matmul(
-        rows.data_ptr(), rows.shape[0], rows.shape[1], torch.ops.mkldnn.data_ptr(packed),
+        rows.data_ptr(), rows.shape[0], rows.shape[1], packed.buffer_address,
         int(packed.dtype == torch.bfloat16), layout.block, layout.k_pad, n,
         None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         int(rows.dtype == torch.bfloat16))
