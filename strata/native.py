@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,20 @@ def _build(name: str, compiler: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+# ctypes argument types, so that signatures read like the C ones.
+PTR, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def bind(name: str, signatures: dict[str, tuple[list, Any]]) -> ctypes.CDLL | None:
+    """`load(name)` with each function's (argument types, result type) declared, so ctypes converts and checks
+    the arguments of every call; None when the library cannot be built here."""
+    lib = load(name)
+    if lib is not None:
+        for function, (argtypes, restype) in signatures.items():
+            getattr(lib, function).argtypes, getattr(lib, function).restype = argtypes, restype
+    return lib
 
 
 @functools.cache

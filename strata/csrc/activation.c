@@ -5,25 +5,7 @@
 #include <string.h>
 
 #include "bf16.h"
-
-/* exp(x) in plain arithmetic the compiler vectorizes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
-   Taylor polynomial (relative error under 3e-7), 2^n built in the exponent bits; x clamped to [-87, 88]. */
-static inline float exp_clamped(float x) {
-    x = x < -87.f ? -87.f : x > 88.f ? 88.f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-    float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "fast_exp.h"
 
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                                  \
     static void NAME(const T *gate_up, T *out, int64_t rows, int64_t width) {                                  \
@@ -32,7 +14,7 @@ static inline float exp_clamped(float x) {
             T *o = out + r * width;                                                                            \
             _Pragma("omp simd") for (int64_t i = 0; i < width; i++) {                                          \
                 const float g = LOAD(gate[i]);                                                                 \
-                o[i] = STORE(LOAD(STORE(g / (1.f + exp_clamped(-g)))) * LOAD(up[i]));                          \
+                o[i] = STORE(LOAD(STORE(g / (1.f + fast_exp(-g)))) * LOAD(up[i]));                             \
             }                                                                                                  \
         }                                                                                                      \
     }

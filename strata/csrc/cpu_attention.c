@@ -6,28 +6,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
 
 typedef uint16_t bf16;
-
-/* exp(x) for x <= 0 (softmax scores less their maximum), in plain arithmetic the compiler vectorizes: x = n ln2 + r
-   with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error under 2e-7), 2^n built in the
-   exponent bits. libm's expf is a call per score, which cost more than the dot products. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-    float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* One sequence's KV heads [h0, h0 + num_kv) and their query heads attend keys [lo, hi). Whole token rows
    (all those heads at once) are read in cache order: a row per head would jump a page per token and leave
@@ -52,7 +33,7 @@ static inline float exp_nonpositive(float x) {
             float *s = scores + j * n, top = s[0], total = 0.f;                                               \
             for (int64_t i = 1; i < n; i++) top = s[i] > top ? s[i] : top;                                    \
             _Pragma("omp simd reduction(+ : total)") for (int64_t i = 0; i < n; i++) {                        \
-                s[i] = exp_nonpositive(s[i] - top);                                                           \
+                s[i] = fast_exp(s[i] - top);                                                                  \
                 total += s[i];                                                                                \
             }                                                                                                 \
             for (int64_t i = 0; i < n; i++) s[i] /= total;                                                    \

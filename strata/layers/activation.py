@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from strata import native
+from strata.native import I32, I64, PTR
 
 KERNEL_ROWS = 16  # a decode step's; prefill keeps torch's vectorized, threaded ops
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -16,12 +17,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.load("activation")
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.silu_and_mul.argtypes = [p, p, i64, i64, ctypes.c_int]
-        lib.silu_and_mul.restype = None
-    return lib
+    return native.bind("activation", {"silu_and_mul": ([PTR, PTR, I64, I64, I32], None)})
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

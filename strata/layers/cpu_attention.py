@@ -13,20 +13,15 @@ import functools
 import torch
 
 from strata import native
+from strata.native import F32, I32, I64, PTR
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.load("cpu_attention")
-    if lib is not None:
-        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.paged_decode_attention.argtypes = [pointer] * 6 + [i64] * 6 + [ctypes.c_float, pointer, ctypes.c_int,
-                                                                            ctypes.c_int, pointer, pointer, i64,
-                                                                            pointer]
-        lib.paged_decode_attention.restype = ctypes.c_int
-    return lib
+    return native.bind("cpu_attention", {"paged_decode_attention": (
+        [PTR] * 6 + [I64] * 6 + [F32, PTR, I32, I32, PTR, PTR, I64, PTR], I32)})
 
 
 def prepare() -> bool:

@@ -36,14 +36,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             flat = x.reshape(rows, x.shape[-1]).to(torch.float32).contiguous()
             y = cpu_matmul.matmul(flat, weight, kind, weight.shape[0], bias=bias)
             return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-    if can_use_onednn(weight) and x.dtype == weight.dtype:
+    if can_pack(weight) and x.dtype == weight.dtype:  # oneDNN also serves a plain weight
         return cpu_matmul.gemm(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def can_use_onednn(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's GEMM serves a plain weight (float32, or bfloat16 where the CPU computes it natively)."""
-    return weight.device.type == "cpu" and can_pack(weight)
 
 
 def pack_linear_weights(model: nn.Module) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from strata import native
+from strata.native import F32, I32, I64, PTR
 
 # Rows up to which the C kernel runs: a decode step's; prefill keeps torch's vectorized, threaded ops.
 KERNEL_ROWS = 16
@@ -17,12 +18,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.load("rms_norm")
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.rms_norm.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
-        lib.rms_norm.restype = None
-    return lib
+    return native.bind("rms_norm", {"rms_norm": ([PTR] * 5 + [I64, I64, F32, I32], None)})
 
 
 class RMSNorm(nn.Module):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from strata import native
+from strata.native import I32, I64, PTR
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,8 @@ class BlockedLayout:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.load("blocked_matmul")
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.blocked_matmul.argtypes = [p, i64, i64, p, ctypes.c_int, i64, i64, i64, p, p, ctypes.c_int,
-                                       ctypes.c_int]
-        lib.blocked_matmul.restype = ctypes.c_int
-    return lib
+    return native.bind("blocked_matmul", {"blocked_matmul": (
+        [PTR, I64, I64, PTR, I32, I64, I64, I64, PTR, PTR, I32, I32], I32)})
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from torch import nn
 
 from strata import native
 from strata.errors import UnsupportedModelError
+from strata.native import I32, I64, PTR
 
 KERNEL_TOKENS = 16  # a decode step's; prefill keeps torch's vectorized, threaded ops
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -19,12 +20,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.load("rotary")
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.rope_half_split.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_int]
-        lib.rope_half_split.restype = None
-    return lib
+    return native.bind("rotary", {"rope_half_split": ([PTR, I64, I64, I64, I64, PTR, PTR, I32], None)})
 
 
 def _kernel_serves(x: torch.Tensor, head_dim: int) -> bool:
@@ -72,42 +68,41 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._last_half: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
-    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin as [T, 1, D] for the half-split style, sin negated on the first half, computed once per
-        positions tensor: a model shares one instance among its layers, so once per step."""
-        # Keyed by the tensor object: every step builds new positions (holding the last one keeps its id unique).
+    def _step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin`, computed once per positions tensor: a model shares one instance among its layers, so once
+        per step. Keyed by the tensor object: every step builds new positions (holding the last one keeps its id
+        unique)."""
         if self._last is None or self._last[0] is not positions or self._last[1] != dtype:
-            cos, sin = self.cos_sin(positions, dtype)
-            tables = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
-            self._last = (positions, dtype, tables)
+            self._last = (positions, dtype, self.cos_sin(positions, dtype))
         return self._last[2]
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin as [T, 1, D] for the half-split style, sin negated on the first half."""
+        cos, sin = self._step_cos_sin(positions, dtype)
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D] -> the rotated heads: copies, or q and k themselves rotated in place (a
         decode step on CPU; callers pass fresh projections)."""
-        if not self.interleaved and _kernel_serves(q, self.head_dim) and _kernel_serves(k, self.head_dim):
+        if self.interleaved:
+            cos, sin = self._step_cos_sin(positions, q.dtype)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
+        if _kernel_serves(q, self.head_dim) and _kernel_serves(k, self.head_dim):
             return self._rotate_in_place(positions, q, k)
-        if not self.interleaved:
-            cos, sin = self._tables(positions, q.dtype)
-            return self._rotate_half_split(q, cos, sin), self._rotate_half_split(k, cos, sin)
-        cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
+        cos, sin = self._tables(positions, q.dtype)
+        return self._rotate_half_split(q, cos, sin), self._rotate_half_split(k, cos, sin)
 
     def _rotate_in_place(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated in place: callers pass fresh projections (views into one qkv output)."""
-        if self._last_half is None or self._last_half[0] is not positions or self._last_half[1] != q.dtype:
-            cos, sin = self.cos_sin(positions, q.dtype)
-            self._last_half = (positions, q.dtype, (cos.contiguous(), sin.contiguous()))
-        cos, sin = self._last_half[2]
+        cos, sin = self._step_cos_sin(positions, q.dtype)  # [T, D / 2], contiguous
         for x in (q, k):
             _library().rope_half_split(x.data_ptr(), x.shape[0], x.shape[1], self.head_dim, x.stride(0),
                                        cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype])

@@ -8,6 +8,7 @@ import functools
 import torch
 
 from strata import native
+from strata.native import I32, I64, PTR
 
 KIND_F32, KIND_BF16, KIND_INT4, KIND_INT8 = 0, 1, 4, 8
 _DENSE_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16}
@@ -15,14 +16,9 @@ _DENSE_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.load("weight_only")
-    if lib is not None:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.weight_only_matmul.argtypes = [p, i64, i64, p, i64, i32, p, p, i64, i64, p, p, i64, i32]
-        lib.weight_only_matmul.restype = i32
-        lib.weight_only_dequantize.argtypes = [p, i64, i32, p, p, i64, i64, i64, i64, p, i32]
-        lib.weight_only_dequantize.restype = None
-    return lib
+    return native.bind("weight_only", {
+        "weight_only_matmul": ([PTR, I64, I64, PTR, I64, I32, PTR, PTR, I64, I64, PTR, PTR, I64, I32], I32),
+        "weight_only_dequantize": ([PTR, I64, I32, PTR, PTR, I64, I64, I64, I64, PTR, I32], None)})
 
 
 def available() -> bool:

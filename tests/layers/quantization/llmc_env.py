@@ -25,3 +25,23 @@ def llmc_python() -> str:
 
 def relative_error(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
+
+
+def assert_logits_match_oracle(path, expected: dict) -> None:
+    """strata's logits along the oracle's greedy tokens are within 1e-3 (relative) of the oracle's own."""
+    from model_forward import strata_logits
+
+    for prompt, tokens, logits in zip(PROMPTS, expected["tokens"], expected["logits"], strict=True):
+        assert relative_error(strata_logits(path, prompt + tokens), logits) < 1e-3
+
+
+def one_rank_runner(path):
+    """The model runner of a single CPU rank in float32 (to look at the layers it loaded)."""
+    import torch
+
+    from strata.config import EngineConfig
+    from strata.distributed import ParallelContext
+    from strata.executor.model_runner import ModelRunner
+
+    return ModelRunner(EngineConfig.create(str(path), dtype="float32", device="cpu"), ParallelContext(),
+                       torch.device("cpu"))

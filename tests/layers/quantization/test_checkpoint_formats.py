@@ -24,7 +24,14 @@ from model_forward import strata_logits  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 from hand_packed import write_awq_and_dense, write_gptq_and_dense  # noqa: E402
-from llmc_env import MAX_TOKENS, PROMPTS, llmc_python, relative_error  # noqa: E402
+from llmc_env import (  # noqa: E402
+    MAX_TOKENS,
+    PROMPTS,
+    assert_logits_match_oracle,
+    llmc_python,
+    one_rank_runner,
+    relative_error,
+)
 
 WEIGHT_ONLY = ["W4A16", "W4A16_ASYM", "W8A16", "W4A16_G32", "W4A16_ASYM_G64", "W4A16_CHANNEL",
                "W4A16_G32_HEAD"]
@@ -67,8 +74,7 @@ def _generate(path: Path, logprobs: int | None = None, **options):
 def test_weight_only_checkpoint_matches_transformers_tokens_and_logits(scheme, compressed, oracle):
     expected = oracle[scheme]
     assert [o.token_ids for o in _generate(compressed[scheme])] == expected["tokens"]
-    for prompt, tokens, logits in zip(PROMPTS, expected["tokens"], expected["logits"], strict=True):
-        assert relative_error(strata_logits(compressed[scheme], prompt + tokens), logits) < 1e-3
+    assert_logits_match_oracle(compressed[scheme], expected)
 
 
 @pytest.mark.parametrize("scheme", ACTIVATION_QUANTIZED)
@@ -85,21 +91,15 @@ def test_activation_quantized_checkpoint_meets_the_top5_rule(scheme, compressed,
 
 
 def test_stored_weights_stay_quantized_in_memory(compressed):
-    from strata.distributed import ParallelContext
-    from strata.executor.model_runner import ModelRunner
-    runner = ModelRunner(EngineConfig.create(str(compressed["W4A16"]), dtype="float32", device="cpu"),
-                         ParallelContext(), torch.device("cpu"))
+    runner = one_rank_runner(compressed["W4A16"])
     proj = runner.model.model.layers[0].self_attn.qkv_proj
     assert proj.quant.weight.bits == 4 and not hasattr(proj, "weight")
     assert proj.quant.nbytes < proj.quant.n * proj.quant.k  # under a byte a weight
 
 
 def test_a_quantized_lm_head_stays_quantized_and_splits_its_vocabulary_across_tp(compressed):
-    from strata.distributed import ParallelContext
-    from strata.executor.model_runner import ModelRunner
     path = compressed["W4A16_G32_HEAD"]
-    runner = ModelRunner(EngineConfig.create(str(path), dtype="float32", device="cpu"), ParallelContext(),
-                         torch.device("cpu"))
+    runner = one_rank_runner(path)
     head = runner.model.lm_head
     assert head.quant.weight.bits == 4 and not hasattr(head, "weight")
     assert [o.token_ids for o in _generate(path, tensor_parallel_size=2)] == [o.token_ids for o in _generate(path)]

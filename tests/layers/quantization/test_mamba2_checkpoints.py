@@ -18,9 +18,8 @@ from strata.errors import ConfigError
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
-from llmc_env import MAX_TOKENS, PROMPTS, llmc_python, relative_error  # noqa: E402
+from llmc_env import MAX_TOKENS, PROMPTS, assert_logits_match_oracle, llmc_python, one_rank_runner  # noqa: E402
 from mamba_checkpoints import make_mamba2  # noqa: E402
-from model_forward import strata_logits  # noqa: E402
 
 # Group 128 (W4A16) cuts out_proj's 256 inputs for TP=4; the asymmetric one's zero points are packed 8 outputs to
 # an int32, so its 16 dt rows split into 8 per rank at TP=2 but would cut an element at TP=4.
@@ -61,15 +60,11 @@ def _generate(path: Path, **options) -> list[list[int]]:
 def test_quantized_mamba2_matches_transformers_tokens_and_logits(scheme, compressed, oracle):
     expected = oracle[scheme]
     assert _generate(compressed[scheme]) == expected["tokens"]
-    for prompt, tokens, logits in zip(PROMPTS, expected["tokens"], expected["logits"], strict=True):
-        assert relative_error(strata_logits(compressed[scheme], prompt + tokens), logits) < 1e-3
+    assert_logits_match_oracle(compressed[scheme], expected)
 
 
 def test_every_mixer_linear_stays_quantized(compressed):
-    from strata.distributed import ParallelContext
-    from strata.executor.model_runner import ModelRunner
-    runner = ModelRunner(EngineConfig.create(str(compressed["W4A16_ASYM_G32"]), dtype="float32", device="cpu"),
-                         ParallelContext(), torch.device("cpu"))
+    runner = one_rank_runner(compressed["W4A16_ASYM_G32"])
     for layer in runner.model.backbone.layers:
         for proj in (layer.mixer.in_proj, layer.mixer.out_proj):
             assert proj.quant.weight.bits == 4 and proj.quant.weight.zeros is not None and not hasattr(proj, "weight")
@@ -92,8 +87,6 @@ def test_tp_size_that_cuts_a_group_or_a_packed_element_is_refused_before_start(c
 
 
 def test_plan_and_runner_count_the_quantized_bytes(compressed, base):
-    from strata.distributed import ParallelContext
-    from strata.executor.model_runner import ModelRunner
     from strata.plan import plan_layout
     path = compressed["W4A16"]
     quantized = plan_layout(EngineConfig.create(str(path)))[0].param_bytes
@@ -101,7 +94,6 @@ def test_plan_and_runner_count_the_quantized_bytes(compressed, base):
     embed_and_head = 2 * 320 * 128 * 4  # float32 embedding and LM head (ignored) stay as they are
     linears = 3 * (128 * 552 + 256 * 128) * 4  # in_proj and out_proj of 3 layers in float32
     assert quantized - embed_and_head < full - embed_and_head - linears * 6 / 7  # 4 bits a weight, plus scales
-    held = ModelRunner(EngineConfig.create(str(path), dtype="float32", device="cpu"), ParallelContext(),
-                       torch.device("cpu")).weight_bytes
+    held = one_rank_runner(path).weight_bytes
     weight_shapes = 3 * 2 * 2 * 8  # the int64 [2] weight_shape of each linear: planned, not held
     assert held == quantized - weight_shapes

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from strata import LLM, SamplingParams
 from strata.config import EngineConfig
@@ -17,7 +16,7 @@ from strata.errors import ConfigError
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
-from llmc_env import MAX_TOKENS, PROMPTS, llmc_python, relative_error  # noqa: E402
+from llmc_env import MAX_TOKENS, PROMPTS, llmc_python, one_rank_runner, relative_error  # noqa: E402
 from mamba_checkpoints import make_plamo2, one_torch_thread  # noqa: E402, F401 (fixture)
 from model_forward import strata_logits  # noqa: E402
 from plamo2_oracle import mlx_greedy, mlx_logits, needs_mlx  # noqa: E402
@@ -64,10 +63,7 @@ def test_quantized_plamo2_matches_mlx_on_the_decompressed_weights(scheme, compre
 
 
 def test_every_linear_layer_is_quantized(compressed):
-    from strata.distributed import ParallelContext
-    from strata.executor.model_runner import ModelRunner
-    runner = ModelRunner(EngineConfig.create(str(compressed["W4A16_ASYM_G32"][0]), dtype="float32", device="cpu"),
-                         ParallelContext(), torch.device("cpu"))
+    runner = one_rank_runner(compressed["W4A16_ASYM_G32"][0])
     for layer in runner.model.model.layers.layers:
         quantized = [m for m in layer.modules() if getattr(m, "quant", None) is not None]
         assert len(quantized) == LINEARS_PER_LAYER["mamba" if layer.is_mamba else "attention"]

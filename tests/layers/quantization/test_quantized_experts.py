@@ -25,7 +25,14 @@ from model_forward import strata_logits  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 from hand_packed import write_awq_and_dense, write_gptq_and_dense  # noqa: E402
-from llmc_env import MAX_TOKENS, PROMPTS, llmc_python, relative_error  # noqa: E402
+from llmc_env import (  # noqa: E402
+    MAX_TOKENS,
+    PROMPTS,
+    assert_logits_match_oracle,
+    llmc_python,
+    one_rank_runner,
+    relative_error,
+)
 from test_checkpoint_formats import _broken_copy  # noqa: E402
 
 # Group 32 divides the experts' width on each of 2 TP ranks (64 / 2), not on 4.
@@ -80,15 +87,11 @@ def test_oneshot_stores_every_routed_expert_quantized_on_its_own(moe_compressed)
 def test_quantized_experts_match_the_decompressed_checkpoint_in_transformers(scheme, moe_compressed, moe_oracle):
     expected = moe_oracle[scheme]
     assert _tokens(moe_compressed[scheme]) == expected["tokens"]
-    for prompt, tokens, logits in zip(PROMPTS, expected["tokens"], expected["logits"], strict=True):
-        assert relative_error(strata_logits(moe_compressed[scheme], prompt + tokens), logits) < 1e-3
+    assert_logits_match_oracle(moe_compressed[scheme], expected)
 
 
 def test_experts_stay_packed_in_memory(moe_compressed):
-    from strata.distributed import ParallelContext
-    from strata.executor.model_runner import ModelRunner
-    runner = ModelRunner(EngineConfig.create(str(moe_compressed["W4A16_G32"]), dtype="float32", device="cpu"),
-                         ParallelContext(), torch.device("cpu"))
+    runner = one_rank_runner(moe_compressed["W4A16_G32"])
     layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
     assert len(layers) == 2
     for moe in layers:
