@@ -1,6 +1,8 @@
 /* exp(x) in plain arithmetic the compiler vectorizes (libm's expf is a call per value), shared by strata's C
    libraries: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error under
-   3e-7), 2^n built in the exponent bits; x clamped to [-87, 88], where float32 stays normal and finite. */
+   3e-7), 2^n built in the exponent bits; x clamped to [-87, 88], where float32 stays normal and finite. n is
+   rounded by adding and taking away 1.5 * 2^23 (ties to even): roundf would be a libm call per value, and the
+   loops calling this would not vectorize. */
 #ifndef STRATA_FAST_EXP_H
 #define STRATA_FAST_EXP_H
 #include <stdint.h>
@@ -8,7 +10,8 @@
 
 static inline float fast_exp(float x) {
     x = x < -87.f ? -87.f : x > 88.f ? 88.f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float shifter = 12582912.f; /* 1.5 * 2^23: adding it leaves no fraction bits */
+    const float n = (x * 1.44269504088896341f + shifter) - shifter;
     const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
     float p = 1.f / 720.f;
     p = p * r + 1.f / 120.f;

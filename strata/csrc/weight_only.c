@@ -1,7 +1,8 @@
 /* Small-batch linear products read straight from float32, bfloat16, int8 or int4 weights (strata's packed
    layout, strata/layers/quantization/weight_only.py), and the dequantization the large-batch path uses.
-   Built on first use by strata/native.py; AVX-512 (weight_only_avx512.h) or AVX2/FMA when the machine has it,
-   plain C otherwise. */
+   Built on first use by strata/native.py; AVX-512 VNNI (weight_only_vnni.h), AVX-512 (weight_only_avx512.h) or
+   AVX2/FMA when the machine has it, plain C otherwise. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,8 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8 };
 #define BLOCK 32
 #define ROWS_PER_TASK 16
 #define MAX_MC 4 /* rows of x multiplied per pass over a weight row */
+#define PREFETCH_BYTES 4096 /* ahead of the weight bytes being read (the hardware prefetcher alone leaves DRAM
+                               idle part of the time between rows) */
 
 /* One weight matrix: rows of `row_bytes`; quantized kinds carry scales (and zero points, or NULL for the
    symmetric 2^(bits-1)) per group of `group_size` values of K. Dense kinds have one group and no scales. */
@@ -102,6 +105,9 @@ static inline __attribute__((always_inline)) void row_blocks(const weights_t *w,
         const int64_t end = quantized && (g + 1) * per_group < full ? (g + 1) * per_group : full;
         const __m256 scale = quantized ? _mm256_broadcast_ss(scales + g) : _mm256_set1_ps(1.f);
         for (; b < end; b++) {
+            const int64_t block_bytes = KIND == KIND_F32 ? 128 : KIND == KIND_BF16 ? 64 : KIND == KIND_INT8 ? 32 : 16;
+            for (int64_t at = b * block_bytes; at < (b + 1) * block_bytes; at += 64)
+                if (at % 64 == 0) _mm_prefetch((const char *)row + at + PREFETCH_BYTES, _MM_HINT_T0);
             __m256 v[4];
             load_block(KIND, row, b, v);
             for (int m = 0; m < MC; m++) {
@@ -201,6 +207,12 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
 
 #if USE_AVX512
 #include "weight_only_avx512.h"
+#if defined(__AVX512VNNI__)
+#include "weight_only_vnni.h"
+#define USE_VNNI 1
+#else
+#define USE_VNNI 0
+#endif
 
 typedef void (*row512_fn)(const weights_t *, int64_t, const float *, int64_t, const float *, float *);
 #define DEFINE_ROW512(KIND, MC)                                                                               \
@@ -231,7 +243,7 @@ static void rows_times_x512(const weights_t *w, int64_t n0, int64_t n1, const fl
     }
 }
 
-static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
+__attribute__((unused)) static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
                          int num_threads) {
     const int64_t blocks = (w->k + BLOCK - 1) / BLOCK;
     const size_t xp_floats = (size_t)(m_total * blocks * BLOCK);
@@ -269,7 +281,11 @@ int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *w
     const weights_t w = {weight, row_bytes, n, k, quantized ? groups : 1, quantized ? group_size : k + BLOCK,
                          scales, zeros, kind};
 #if USE_AVX512 /* dense kinds are memory-bound, and no faster with it */
+#if USE_VNNI
+    if (quantized) return matmul_vnni(&w, x, m_total, bias, out, num_threads);
+#else
     if (quantized) return matmul_avx512(&w, x, m_total, bias, out, num_threads);
+#endif
 #endif
     /* x summed per group over the full blocks, for the zero points. */
     float *xsum = calloc((size_t)(m_total * w.groups), sizeof(float));

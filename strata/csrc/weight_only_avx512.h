@@ -64,9 +64,10 @@ static inline __attribute__((always_inline)) void decode_block(const int KIND, c
     }
 }
 
-/* sum over groups of scale * (offset + zero) * xsum: the part of R * sum v x that is not the product. */
-static inline float zero_correction(const float *scales, const float *zeros, float zero, const float *xsum,
-                                    int64_t groups, float offset) {
+/* sum over groups of scale * (offset + zero) * xsum, spread over 16 lanes: the part of R * sum v x that is not
+   the product. */
+static inline __m512 zero_terms(const float *scales, const float *zeros, float zero, const float *xsum,
+                                int64_t groups, float offset) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g += 16) {
         const __mmask16 m = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
@@ -74,7 +75,7 @@ static inline float zero_correction(const float *scales, const float *zeros, flo
         const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scales + g), _mm512_add_ps(z, _mm512_set1_ps(offset)));
         acc = _mm512_fmadd_ps(sz, _mm512_maskz_loadu_ps(m, xsum + g), acc);
     }
-    return _mm512_reduce_add_ps(acc);
+    return acc;
 }
 
 /* Row n against MC rows of prepared x, every block of the padded K. Each block's products gather in `acc`
@@ -110,7 +111,7 @@ static inline __attribute__((always_inline)) void avx512_row(const weights_t *w,
     const float *zeros = w->zeros ? w->zeros + n * w->groups : NULL;
     for (int m = 0; m < MC; m++)
         y[m] = r * _mm512_reduce_add_ps(total[m]) -
-               zero_correction(scales, zeros, zero, xsum + m * w->groups, w->groups, offset);
+               _mm512_reduce_add_ps(zero_terms(scales, zeros, zero, xsum + m * w->groups, w->groups, offset));
 }
 
 #endif
