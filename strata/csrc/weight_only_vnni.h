@@ -71,13 +71,17 @@ static int vnni_prepare_x(const weights_t *w, const float *x, int64_t m_total, v
         memset(sums, 0, (size_t)w->groups * sizeof(double));
         for (int64_t b = 0; b < p->xblocks; b++) {
             const int64_t k0 = b * XBLOCK, k1 = k0 + XBLOCK < stride ? k0 + XBLOCK : stride;
-            __m512 amax = _mm512_setzero_ps();
+            __m512 amax = _mm512_setzero_ps(), finite = _mm512_setzero_ps(); /* x * 0: NaN where x is not finite */
             for (int64_t i = k0; i < k1; i += 16) {
                 const int64_t left = k - i;
                 const __mmask16 valid = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-                amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(valid, row + i)));
+                const __m512 values = _mm512_maskz_loadu_ps(valid, row + i);
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(values));
+                finite = _mm512_add_ps(finite, _mm512_mul_ps(values, _mm512_setzero_ps()));
             }
-            const float largest = _mm512_reduce_max_ps(amax), scale = largest / X_LIMIT;
+            /* a NaN or infinity in x makes the block's scale NaN, so the outputs it reaches are NaN, as in float */
+            const float largest = _mm512_reduce_max_ps(amax);
+            const float scale = largest / X_LIMIT + _mm512_reduce_add_ps(finite);
             const __m512 inverse = _mm512_set1_ps(largest > 0.f ? X_LIMIT / largest : 0.f);
             p->scale[m * p->xblocks + b] = scale;
             for (int64_t i = k0; i < k1; i += CHUNK / 2) { /* a 32-value block lies in one weight group */

@@ -199,3 +199,13 @@ def test_small_batch_kernel_is_far_more_exact_than_float16_activations(bits, gro
         error = (weight_only_linear(x, w).double() - reference).norm() / reference.norm()
         float16_error = (x.half().double() @ weight.T - reference).norm() / reference.norm()
         assert error * 100 < float16_error, (outliers, error.item(), float16_error.item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_small_batch_kernel_passes_nan_and_infinity_through(bits):
+    q, scales, _ = _random_weight(8, 256, bits, 128, True)
+    w = pack_weight(q, scales, None, bits, 128)
+    x = torch.randn(2, 256)
+    x[0, 5], x[1, 200] = float("nan"), float("inf")
+    y = weight_only_linear(x, w)
+    assert not torch.isfinite(y).any()
