@@ -6,15 +6,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "prefetch.h"
 
 #define MAX_ROWS 4 /* rows of x per pass over a block of weights */
-#define PREFETCH_BYTES 4096 /* ahead of the weight bytes being read */
-
-/* The hardware prefetcher alone leaves DRAM idle part of the time while a block's rows stream past; asking for
-   each line a few KB ahead keeps more reads in flight. `bytes`: one row of a block (a multiple of 32). */
-static inline void prefetch_ahead(const void *at, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)at + PREFETCH_BYTES + i, 0, 3);
-}
 
 /* Layout: outputs in blocks of NB; block b holds k_pad rows of NB outputs (float32), or k_pad / 2 rows of NB
    pairs (bfloat16: values k and k + 1 of one output side by side); padding holds zeros. */

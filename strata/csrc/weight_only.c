@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "prefetch.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(STRATA_PORTABLE)
 #include <immintrin.h>
@@ -25,8 +26,6 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8 };
 #define BLOCK 32
 #define ROWS_PER_TASK 16
 #define MAX_MC 4 /* rows of x multiplied per pass over a weight row */
-#define PREFETCH_BYTES 4096 /* ahead of the weight bytes being read (the hardware prefetcher alone leaves DRAM
-                               idle part of the time between rows) */
 
 /* One weight matrix: rows of `row_bytes`; quantized kinds carry scales (and zero points, or NULL for the
    symmetric 2^(bits-1)) per group of `group_size` values of K. Dense kinds have one group and no scales. */
@@ -106,8 +105,7 @@ static inline __attribute__((always_inline)) void row_blocks(const weights_t *w,
         const __m256 scale = quantized ? _mm256_broadcast_ss(scales + g) : _mm256_set1_ps(1.f);
         for (; b < end; b++) {
             const int64_t block_bytes = KIND == KIND_F32 ? 128 : KIND == KIND_BF16 ? 64 : KIND == KIND_INT8 ? 32 : 16;
-            for (int64_t at = b * block_bytes; at < (b + 1) * block_bytes; at += 64)
-                if (at % 64 == 0) _mm_prefetch((const char *)row + at + PREFETCH_BYTES, _MM_HINT_T0);
+            if (b * block_bytes % 64 == 0) prefetch_ahead(row + b * block_bytes, block_bytes); /* once per line */
             __m256 v[4];
             load_block(KIND, row, b, v);
             for (int m = 0; m < MC; m++) {
@@ -213,7 +211,9 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
 #else
 #define USE_VNNI 0
 #endif
+#endif
 
+#if USE_AVX512 && !USE_VNNI /* the float32 path of AVX-512 CPUs without VNNI */
 typedef void (*row512_fn)(const weights_t *, int64_t, const float *, int64_t, const float *, float *);
 #define DEFINE_ROW512(KIND, MC)                                                                               \
     static void row512_##KIND##_##MC(const weights_t *w, int64_t n, const float *xp, int64_t blocks,          \
@@ -243,7 +243,7 @@ static void rows_times_x512(const weights_t *w, int64_t n0, int64_t n1, const fl
     }
 }
 
-__attribute__((unused)) static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
+static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
                          int num_threads) {
     const int64_t blocks = (w->k + BLOCK - 1) / BLOCK;
     const size_t xp_floats = (size_t)(m_total * blocks * BLOCK);

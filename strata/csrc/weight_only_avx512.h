@@ -19,7 +19,7 @@ static inline int source_of(int kind, int p) {
 }
 
 /* x [m_total, k] into xp [m_total, blocks * 32] in the order the decoded weights hold, zero past k. */
-static void avx512_prepare_x(int kind, const float *x, int64_t m_total, int64_t k, int64_t blocks, float *xp) {
+static inline void avx512_prepare_x(int kind, const float *x, int64_t m_total, int64_t k, int64_t blocks, float *xp) {
     int32_t lo[16], hi[16];
     for (int p = 0; p < 16; p++) lo[p] = source_of(kind, p), hi[p] = source_of(kind, p + 16);
     const __m512i idx_lo = _mm512_loadu_si512(lo), idx_hi = _mm512_loadu_si512(hi);

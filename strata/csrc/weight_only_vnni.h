@@ -136,8 +136,8 @@ static inline __attribute__((always_inline)) void vnni_rows(const weights_t *w, 
             for (int m = 0; m < MC; m++)
                 for (int j = 0; j < X_BYTES; j++) acc[m][j] = _mm512_setzero_si512();
             for (int64_t cc = c; cc < c + SEG && cc < chunks; cc++) {
-                const char *bytes = (const char *)row + cc * (KIND == KIND_INT4 ? CHUNK / 2 : CHUNK);
-                if (KIND == KIND_INT8 || !(cc & 1)) _mm_prefetch(bytes + PREFETCH_BYTES, _MM_HINT_T0);
+                const uint8_t *bytes = row + cc * (KIND == KIND_INT4 ? CHUNK / 2 : CHUNK);
+                if (KIND == KIND_INT8 || !(cc & 1)) prefetch_ahead(bytes, 64); /* once per line */
                 const __m512i v = vnni_chunk(KIND, row, cc, cc == half_chunk);
                 for (int m = 0; m < MC; m++)
                     for (int j = 0; j < X_BYTES; j++)
