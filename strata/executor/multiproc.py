@@ -207,6 +207,10 @@ class MultiprocExecutor:
             error = protocol.read_error(driver.store)
             exited = [p for p in driver.procs if p.exitcode is not None]
             if exited or error:
+                # A rank reports its StrataError before the general error: look again, so that a ConfigError
+                # about the checkpoint that landed after this round's poll is re-raised as itself.
+                for rank in sorted(set(range(world_size)) - set(infos)):
+                    protocol.poll_rank(driver.store, rank)
                 reasons = [_describe_exit(p) for p in exited] + ([error] if error else [])
                 raise EngineDeadError("a worker failed during start-up: " + "; ".join(reasons))
             if time.monotonic() > deadline:
