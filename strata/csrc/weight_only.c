@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void row_blocks(const weights_t *w,
         const __m256 scale = quantized ? _mm256_broadcast_ss(scales + g) : _mm256_set1_ps(1.f);
         for (; b < end; b++) {
             const int64_t block_bytes = KIND == KIND_F32 ? 128 : KIND == KIND_BF16 ? 64 : KIND == KIND_INT8 ? 32 : 16;
-            if (b * block_bytes % 64 == 0) prefetch_ahead(row + b * block_bytes, block_bytes); /* once per line */
+            if (b * block_bytes % 64 == 0) prefetch_ahead(row + b * block_bytes, block_bytes); /* once a line */
             __m256 v[4];
             load_block(KIND, row, b, v);
             for (int m = 0; m < MC; m++) {

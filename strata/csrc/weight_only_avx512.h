@@ -18,8 +18,14 @@ static inline int source_of(int kind, int p) {
     return 4 * (i % 4) + j / 2 + 16 * (j & 1);
 }
 
+/* The lanes of 16 floats that lie before the end, `left` values away (none when left <= 0). */
+static inline __mmask16 tail_mask16(int64_t left) {
+    return left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+}
+
 /* x [m_total, k] into xp [m_total, blocks * 32] in the order the decoded weights hold, zero past k. */
-static inline void avx512_prepare_x(int kind, const float *x, int64_t m_total, int64_t k, int64_t blocks, float *xp) {
+static inline void avx512_prepare_x(int kind, const float *x, int64_t m_total, int64_t k, int64_t blocks,
+                                    float *xp) {
     int32_t lo[16], hi[16];
     for (int p = 0; p < 16; p++) lo[p] = source_of(kind, p), hi[p] = source_of(kind, p + 16);
     const __m512i idx_lo = _mm512_loadu_si512(lo), idx_hi = _mm512_loadu_si512(hi);
@@ -27,9 +33,8 @@ static inline void avx512_prepare_x(int kind, const float *x, int64_t m_total, i
         for (int64_t b = 0; b < blocks; b++) {
             const float *src = x + m * k + b * BLOCK;
             const int64_t left = k - b * BLOCK;
-            const __mmask16 m0 = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-            const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
-            const __m512 x0 = _mm512_maskz_loadu_ps(m0, src), x1 = _mm512_maskz_loadu_ps(m1, src + 16);
+            const __m512 x0 = _mm512_maskz_loadu_ps(tail_mask16(left), src);
+            const __m512 x1 = _mm512_maskz_loadu_ps(tail_mask16(left - 16), src + 16);
             float *dst = xp + (m * blocks + b) * BLOCK;
             _mm512_storeu_ps(dst, _mm512_permutex2var_ps(x0, idx_lo, x1));
             _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(x0, idx_hi, x1));

@@ -14,12 +14,15 @@
 
 /* x prepared for the weights: per row, bytes in the order a chunk of weight bytes holds them. */
 typedef struct {
-    int8_t *bytes[X_BYTES];    /* each [m_total, chunks * 64]: x / scale = 65536 * bytes[0] + 256 * bytes[1] + bytes[2] */
+    int8_t *bytes[X_BYTES];    /* each [m_total, chunks * 64]: x / scale = 65536 bytes[0] + 256 bytes[1] + bytes[2] */
     float *scale;              /* [m_total, xblocks] */
     float *xsum;               /* [m_total, groups]: the rounded x summed per weight group, for the zero points */
     int32_t *group_of;         /* [2 * chunks]: the weight group of each 32-value block (no division per row) */
     int64_t chunks, xblocks;
 } vnni_x_t;
+
+/* Values of K a weight row holds (K padded to a multiple of 32). */
+static inline int64_t row_values(const weights_t *w) { return w->row_bytes * (w->kind == KIND_INT4 ? 2 : 1); }
 
 /* Byte position of value o (0..63) of a chunk. int4: a chunk's 32 bytes are two blocks of 16; the low nibbles
    come first (block 0's values 0-15, block 1's 0-15), then the high ones (values 16-31 of each), so the middle
@@ -31,14 +34,15 @@ static inline int64_t vnni_position(int kind, int64_t o) {
 
 /* 16 values of x (masked past k) times `inverse`, rounded, into the three bytes of position `at`; returns the
    rounded integers. */
-static inline __m512i vnni_round16(const float *src, int64_t left, __m512 inverse, const vnni_x_t *p, int64_t at) {
-    const __mmask16 valid = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(valid, src), inverse));
+static inline __m512i vnni_round16(const float *src, int64_t left, __m512 inverse, const vnni_x_t *p,
+                                   int64_t at) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask16(left), src), inverse));
     const __m512i bias = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
     const __m512i low = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, bias), byte), bias);
     const __m512i upper = _mm512_srai_epi32(_mm512_sub_epi32(v, low), 8);
     const __m512i middle = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(upper, bias), byte), bias);
-    _mm_storeu_si128((__m128i *)(p->bytes[0] + at), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(upper, middle), 8)));
+    const __m512i high = _mm512_srai_epi32(_mm512_sub_epi32(upper, middle), 8);
+    _mm_storeu_si128((__m128i *)(p->bytes[0] + at), _mm512_cvtepi32_epi8(high));
     _mm_storeu_si128((__m128i *)(p->bytes[1] + at), _mm512_cvtepi32_epi8(middle));
     _mm_storeu_si128((__m128i *)(p->bytes[2] + at), _mm512_cvtepi32_epi8(low));
     return v;
@@ -46,7 +50,7 @@ static inline __m512i vnni_round16(const float *src, int64_t left, __m512 invers
 
 /* Round x [m_total, k] to the prepared form; returns -1 when memory ran out. One buffer holds it all. */
 static int vnni_prepare_x(const weights_t *w, const float *x, int64_t m_total, vnni_x_t *p) {
-    const int64_t k = w->k, stride = (w->row_bytes * (w->kind == KIND_INT4 ? 2 : 1) + CHUNK - 1) / CHUNK * CHUNK;
+    const int64_t k = w->k, stride = (row_values(w) + CHUNK - 1) / CHUNK * CHUNK;
     p->chunks = stride / CHUNK;
     p->xblocks = (stride + XBLOCK - 1) / XBLOCK;
     const size_t floats = (size_t)(m_total * (p->xblocks + w->groups) + 2 * p->chunks);
@@ -73,9 +77,7 @@ static int vnni_prepare_x(const weights_t *w, const float *x, int64_t m_total, v
             const int64_t k0 = b * XBLOCK, k1 = k0 + XBLOCK < stride ? k0 + XBLOCK : stride;
             __m512 amax = _mm512_setzero_ps(), finite = _mm512_setzero_ps(); /* x * 0: NaN where x is not finite */
             for (int64_t i = k0; i < k1; i += 16) {
-                const int64_t left = k - i;
-                const __mmask16 valid = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-                const __m512 values = _mm512_maskz_loadu_ps(valid, row + i);
+                const __m512 values = _mm512_maskz_loadu_ps(tail_mask16(k - i), row + i);
                 amax = _mm512_max_ps(amax, _mm512_abs_ps(values));
                 finite = _mm512_add_ps(finite, _mm512_mul_ps(values, _mm512_setzero_ps()));
             }
@@ -122,7 +124,7 @@ static inline __attribute__((always_inline)) void vnni_rows(const weights_t *w, 
                                                             const vnni_x_t *xp, const int KIND, const int MC,
                                                             const int SEG, const float *bias, float *out) {
     const int64_t chunks = xp->chunks, stride = chunks * CHUNK;
-    const int64_t half_chunk = w->row_bytes * (KIND == KIND_INT4 ? 2 : 1) % CHUNK ? chunks - 1 : -1;
+    const int64_t half_chunk = row_values(w) % CHUNK ? chunks - 1 : -1;
     const int mixed = SEG == 1 && w->groups > 1 && w->group_size % CHUNK != 0;
     const __mmask16 second_block = KIND == KIND_INT4 ? 0xf0f0 : 0xff00; /* lanes summing the chunk's block 2 */
     const float zero = KIND == KIND_INT4 ? 8.f : 128.f;
@@ -178,8 +180,9 @@ typedef void (*vnni_fn)(const weights_t *, int64_t, int64_t, const vnni_x_t *, c
     DEFINE_VNNI(KIND, 1, 2) DEFINE_VNNI(KIND, 2, 2) DEFINE_VNNI(KIND, 4, 2) DEFINE_VNNI(KIND, 8, 2)
 DEFINE_VNNI_KIND(KIND_INT4)
 DEFINE_VNNI_KIND(KIND_INT8)
-#define VNNI_MC(KIND, MC, SEG) \
-    ((MC) == 8 ? vnni_##KIND##_8_##SEG : (MC) == 4 ? vnni_##KIND##_4_##SEG : (MC) == 2 ? vnni_##KIND##_2_##SEG : vnni_##KIND##_1_##SEG)
+#define VNNI_MC(KIND, MC, SEG)                                                                                   \
+    ((MC) == 8 ? vnni_##KIND##_8_##SEG : (MC) == 4 ? vnni_##KIND##_4_##SEG                                        \
+     : (MC) == 2 ? vnni_##KIND##_2_##SEG : vnni_##KIND##_1_##SEG)
 #define VNNI_OF(KIND, MC, SEG) ((SEG) == 2 ? VNNI_MC(KIND, MC, 2) : VNNI_MC(KIND, MC, 1))
 
 static int matmul_vnni(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
@@ -195,7 +198,8 @@ static int matmul_vnni(const weights_t *w, const float *x, int64_t m_total, cons
         for (int64_t m0 = 0; m0 < m_total;) {
             const int64_t left = m_total - m0;
             const int mc = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-            const vnni_fn kernel = w->kind == KIND_INT4 ? VNNI_OF(KIND_INT4, mc, segment) : VNNI_OF(KIND_INT8, mc, segment);
+            const vnni_fn kernel = w->kind == KIND_INT4 ? VNNI_OF(KIND_INT4, mc, segment)
+                                                        : VNNI_OF(KIND_INT8, mc, segment);
             const int64_t skip = m0 * xp.chunks * CHUNK;
             const vnni_x_t rows = {{xp.bytes[0] + skip, xp.bytes[1] + skip, xp.bytes[2] + skip},
                                    xp.scale + m0 * xp.xblocks, xp.xsum + m0 * w->groups, xp.group_of, xp.chunks,

@@ -67,7 +67,9 @@ class RotaryEmbedding(nn.Module):
                                             param="rope_scaling")
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # The step's positions and dtype, its cos/sin, and (once asked for) its half-split tables.
         self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
@@ -79,12 +81,15 @@ class RotaryEmbedding(nn.Module):
         unique)."""
         if self._last is None or self._last[0] is not positions or self._last[1] != dtype:
             self._last = (positions, dtype, self.cos_sin(positions, dtype))
+            self._last_tables = None
         return self._last[2]
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin as [T, 1, D] for the half-split style, sin negated on the first half."""
+        """cos and sin as [T, 1, D] for the half-split style, sin negated on the first half; once per step too."""
         cos, sin = self._step_cos_sin(positions, dtype)
-        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+        if self._last_tables is None:
+            self._last_tables = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+        return self._last_tables
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,12 @@ def _reference(q, scales, zeros, bits, group_size):
     return (q.float() - z) * s
 
 
+def _assert_close_to(y: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Within 1e-5 of the outputs' scale (float32 products; the VNNI kernel's 24-bit x is as exact)."""
+    tolerance = 1e-5 * expected.abs().max().item()
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=tolerance, msg=lambda e: f"{what}: {e}")
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -75,12 +81,6 @@ def test_weight_only_linear_matches_dequantize_then_matmul(m, bits, group_size, 
         torch.set_num_threads(before)
     reference = x.double() @ _reference(q, scales, zeros, bits, group_size).double().T + bias.double()
     _assert_close_to(y, reference, "weight_only_linear")
-
-
-def _assert_close_to(y: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Within 1e-5 of the outputs' scale (float32 products; the VNNI kernel's 24-bit x is as exact)."""
-    tolerance = 1e-5 * expected.abs().max().item()
-    torch.testing.assert_close(y.double(), expected, rtol=0, atol=tolerance, msg=lambda e: f"{what}: {e}")
 
 
 def _kernel_cases(n: int, k: int):
