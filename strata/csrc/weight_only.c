@@ -203,6 +203,10 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
     }
 }
 
+#if USE_AVX2 && !USE_AVX512
+#include "weight_only_avx2.h"
+#endif
+
 #if USE_AVX512
 #include "weight_only_avx512.h"
 #if defined(__AVX512VNNI__)
@@ -290,13 +294,24 @@ int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *w
     /* x summed per group over the full blocks, for the zero points. */
     float *xsum = calloc((size_t)(m_total * w.groups), sizeof(float));
     if (!xsum) return -1;
-    if (quantized)
+    if (quantized) /* group by group: no division per value */
         for (int64_t m = 0; m < m_total; m++)
-            for (int64_t i = 0; i < k / BLOCK * BLOCK; i++) xsum[m * w.groups + i / group_size] += x[m * k + i];
+            for (int64_t g = 0, lo = 0; lo < k / BLOCK * BLOCK; g++, lo += group_size) {
+                const int64_t hi = lo + group_size < k / BLOCK * BLOCK ? lo + group_size : k / BLOCK * BLOCK;
+                float sum = 0.f;
+                for (int64_t i = lo; i < hi; i++) sum += x[m * k + i];
+                xsum[m * w.groups + g] = sum;
+            }
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < n ? n0 + ROWS_PER_TASK : n;
+#if USE_AVX2 && !USE_AVX512
+        if (kind == KIND_INT4 && m_total <= FOUR_ROWS_MAX_M) {
+            rows_times_x_avx2(&w, n0, n1, x, m_total, xsum, bias, out);
+            continue;
+        }
+#endif
         rows_times_x(&w, n0, n1, x, m_total, xsum, bias, out);
     }
     free(xsum);

@@ -11,6 +11,7 @@ from strata.config import HFConfig
 from strata.distributed import ParallelContext
 from strata.layers.activation import silu_and_mul
 from strata.layers.attention import Attention, AttentionMetadata
+from strata.layers.decode_block import FusedDecodeLayer
 from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
@@ -100,6 +101,13 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.mlp = LlamaMLP(a.hidden_size, a.intermediate_size, pc, dtype, a.mlp_bias)
         self.input_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
+        self.fused_decode = FusedDecodeLayer(self)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_decode.serves(x, meta):  # a CPU decode step: each block in one call, the same kernels
+            return self.fused_decode(positions, x, residual, meta)
+        return super().forward(positions, x, residual, meta)
 
     def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x)

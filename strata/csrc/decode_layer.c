@@ -1,0 +1,119 @@
+/* A decode step's pre-norm attention block and SwiGLU block on CPU, each as one call: the kernels of the other
+   libraries (RMSNorm, linear products, rotary, paged attention, SwiGLU) run in sequence here instead of through a
+   dozen Python-level calls each (which cost more than a small layer's arithmetic). The kernels are reached by the
+   function pointers Python hands over (`kernels_t`), so each keeps its own library. Called from
+   strata/layers/decode_block.py, float32 activations only; the arithmetic is that of the separate calls. */
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*weight_only_fn)(const float *, int64_t, int64_t, const void *, int64_t, int, const float *,
+                              const float *, int64_t, int64_t, const float *, float *, int64_t, int);
+typedef int (*blocked_fn)(const void *, int64_t, int64_t, const void *, int, int64_t, int64_t, int64_t,
+                          const float *, void *, int, int);
+typedef void (*rms_norm_fn)(const void *, const void *, const void *, void *, void *, int64_t, int64_t, float, int);
+typedef void (*rope_fn)(void *, int64_t, int64_t, int64_t, int64_t, const void *, const void *, int);
+typedef void (*silu_fn)(const void *, void *, int64_t, int64_t, int);
+typedef int (*attention_fn)(const void *, void *, void *, const int32_t *, const int32_t *, const int32_t *, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, int64_t, float, void *, int, int, const void *,
+                            const void *, int64_t, const int64_t *);
+
+typedef struct {
+    weight_only_fn weight_only;
+    blocked_fn blocked;
+    rms_norm_fn rms_norm;
+    rope_fn rope;
+    silu_fn silu;
+    attention_fn attention;
+} kernels_t;
+
+/* One linear layer as a kernel reads it: oneDNN's blocked layout (blocked_matmul) or strata's rows of float32,
+   bfloat16, int8 or int4 values (weight_only_matmul). */
+typedef struct {
+    int64_t blocked, n, k;
+    const void *weight;
+    const float *bias;
+    int64_t bf16, block, k_pad;                                  /* blocked */
+    int64_t row_bytes, kind, groups, group_size;                 /* weight-only */
+    const float *scales, *zeros;
+} linear_t;
+
+typedef struct {
+    const float *norm_weight;
+    float eps;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    linear_t qkv, o;
+    void *k_cache, *v_cache;
+} attention_block_t;
+
+typedef struct {
+    const float *norm_weight;
+    float eps;
+    int64_t hidden, intermediate;
+    linear_t gate_up, down;
+} mlp_block_t;
+
+/* What every layer of one decode step shares. */
+typedef struct {
+    int64_t tokens, max_blocks;
+    const float *cos, *sin; /* [tokens, head_dim / 2] */
+    const int32_t *block_tables, *first_keys, *seq_lens;
+    const int64_t *slots;
+    int64_t threads;
+} decode_step_t;
+
+static int run_linear(const kernels_t *kn, const linear_t *l, const float *x, int64_t rows, float *out,
+                      int threads) {
+    if (l->blocked)
+        return kn->blocked(x, rows, l->k, l->weight, (int)l->bf16, l->block, l->k_pad, l->n, l->bias, out, threads, 0);
+    return kn->weight_only(x, rows, l->k, l->weight, l->row_bytes, (int)l->kind, l->scales, l->zeros, l->groups,
+                           l->group_size, l->bias, out, l->n, threads);
+}
+
+/* The norm before a block: the first layer's residual stream starts as its input (copied), later layers add the
+   block's input to the stream in place. */
+static void pre_norm(const kernels_t *kn, const float *x, float *residual, int first, const float *weight,
+                     float eps, int64_t tokens, int64_t hidden, float *normed) {
+    if (first) {
+        memcpy(residual, x, (size_t)(tokens * hidden) * sizeof(float));
+        kn->rms_norm(x, NULL, weight, normed, NULL, tokens, hidden, eps, 0);
+    } else {
+        kn->rms_norm(x, residual, weight, normed, residual, tokens, hidden, eps, 0);
+    }
+}
+
+/* out [T, hidden] = o_proj(attention(rope(qkv_proj(norm(x (+ residual)))))); the step's keys and values are
+   written to the cache. scratch: [T, hidden] normed input, [T, q + 2 kv] qkv, [T, q] contiguous q, [T, q]
+   attention output. Returns 0, or the failing kernel's status. */
+int attention_block(const kernels_t *kn, const attention_block_t *b, const decode_step_t *step, const float *x,
+                    float *residual, int first, float *scratch, float *out) {
+    const int64_t t = step->tokens, q_width = b->num_heads * b->head_dim, kv_width = b->num_kv_heads * b->head_dim;
+    const int64_t row = q_width + 2 * kv_width;
+    const int threads = (int)step->threads;
+    float *normed = scratch, *qkv = normed + t * b->hidden, *q = qkv + t * row, *attn = q + t * q_width;
+    pre_norm(kn, x, residual, first, b->norm_weight, b->eps, t, b->hidden, normed);
+    int status = run_linear(kn, &b->qkv, normed, t, qkv, threads);
+    if (status) return status;
+    kn->rope(qkv, t, b->num_heads, b->head_dim, row, step->cos, step->sin, 0);
+    kn->rope(qkv + q_width, t, b->num_kv_heads, b->head_dim, row, step->cos, step->sin, 0);
+    for (int64_t i = 0; i < t; i++) memcpy(q + i * q_width, qkv + i * row, (size_t)q_width * sizeof(float));
+    status = kn->attention(q, b->k_cache, b->v_cache, step->block_tables, step->first_keys, step->seq_lens, t,
+                           b->num_heads, b->num_kv_heads, b->head_dim, b->block_size, step->max_blocks, b->scale,
+                           attn, threads, 0, qkv + q_width, qkv + q_width + kv_width, row, step->slots);
+    if (status) return status;
+    return run_linear(kn, &b->o, attn, t, out, threads);
+}
+
+/* out [T, hidden] = down(silu(gate) * up) of norm(x + residual), the residual updated in place. scratch: [T, hidden]
+   normed, [T, 2 * intermediate] gate and up, [T, intermediate] activation. */
+int mlp_block(const kernels_t *kn, const mlp_block_t *b, const decode_step_t *step, const float *x, float *residual,
+              float *scratch, float *out) {
+    const int64_t t = step->tokens;
+    const int threads = (int)step->threads;
+    float *normed = scratch, *gate_up = normed + t * b->hidden, *act = gate_up + t * 2 * b->intermediate;
+    pre_norm(kn, x, residual, 0, b->norm_weight, b->eps, t, b->hidden, normed);
+    int status = run_linear(kn, &b->gate_up, normed, t, gate_up, threads);
+    if (status) return status;
+    kn->silu(gate_up, act, t, b->intermediate, 0);
+    return run_linear(kn, &b->down, act, t, out, threads);
+}
