@@ -43,15 +43,17 @@ def cpu_has_native_bfloat16() -> bool:
 
 
 def auto_compute_dtype(model: ModelConfig, dtype: str | torch.dtype, device: str) -> ModelConfig:
-    """`dtype=auto` for a bfloat16 checkpoint on a CPU without native bfloat16 computes in float32 (one
-    conversion at load, twice the weight memory); an explicit `dtype=bfloat16` is kept."""
+    """`dtype=auto` for a bfloat16 checkpoint on a CPU without native bfloat16 computes in float32 with its
+    linear weights and embedding tables kept in bfloat16 (`weight_dtype`: the checkpoint's memory, half the bytes
+    a decode step reads); an explicit `dtype=bfloat16` is kept."""
     if dtype != "auto" or model.dtype != torch.bfloat16 or resolve_device(device).type != "cpu" \
             or cpu_has_native_bfloat16():
         return model
-    logger.warning("this CPU has no native bfloat16 arithmetic (bfloat16 GEMMs would run about 5x slower than "
-                   "float32): dtype=auto computes the bfloat16 checkpoint in float32, which doubles its weight "
-                   "memory; pass dtype=bfloat16 to keep bfloat16")
-    return dataclasses.replace(model, dtype=torch.float32)
+    logger.info("this CPU has no native bfloat16 arithmetic (bfloat16 GEMMs would run about 5x slower than "
+                "float32): dtype=auto computes the bfloat16 checkpoint in float32, its linear weights and embedding "
+                "tables kept in bfloat16 (widened by the kernels); pass dtype=bfloat16 to compute in bfloat16, "
+                "dtype=float32 to store float32 weights")
+    return dataclasses.replace(model, dtype=torch.float32, weight_dtype=torch.bfloat16)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -93,6 +95,8 @@ class ModelConfig:
     max_model_len: int
     quantization: str | None = None  # experts_int8, or the checkpoint's quantization method
     quant_config: QuantConfig | None = None  # how the checkpoint's linear layers are stored
+    # Linear weights and embedding tables stored narrower than `dtype` (see auto_compute_dtype), or None.
+    weight_dtype: torch.dtype | None = None
 
     @property
     def text_config(self) -> HFConfig:

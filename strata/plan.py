@@ -32,6 +32,7 @@ from strata.engine_args import EngineArgs
 from strata.layers.attention import Attention
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.mamba.mixer import MambaState, state_bytes_per_slot
+from strata.layers.stored_dtype import store_weights_as
 from strata.models import loader
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ def meta_model(config: EngineConfig, pc: ParallelContext) -> nn.Module:
         model = cls(config.model, pc, config.parallel.pp_layer_partition)
     model.load_weights(checkpoint_shapes(config.model.path,
                                          lambda name: loader.is_pp_missing(name, model.missing_prefixes)))
+    if config.model.weight_dtype is not None:
+        store_weights_as(model, config.model.weight_dtype)
     return model
 
 

@@ -23,6 +23,7 @@ from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import pack_linear_weights
 from strata.layers.mamba.mixer import MambaState, allocate_states, state_bytes_per_slot
 from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
+from strata.layers.stored_dtype import store_weights_as
 from strata.models import loader
 from strata.outputs import PromptLogprobsChunk, TokenLogprobs
 from strata.sampling_params import SamplingParams
@@ -61,6 +62,8 @@ class ModelRunner:
         self.model.load_weights(loader.iterate_weights(
             config.model.path, lambda name: loader.is_pp_missing(name, self.model.missing_prefixes)))
         self.model.eval()
+        if config.model.weight_dtype is not None:
+            store_weights_as(self.model, config.model.weight_dtype)
         self.weight_bytes = self._count_weight_bytes()
         self.param_names = [name for name, _ in self.model.named_parameters()]
         logger.info("%s loaded %s (%.1f MB of weights on this rank) in %.1f s", pc.log_prefix,

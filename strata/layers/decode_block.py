@@ -16,7 +16,7 @@ import torch
 from strata import native
 from strata.layers import activation, cpu_attention, norm, onednn_weights, rotary
 from strata.layers.attention import AttentionMetadata
-from strata.layers.linear import SMALL_BATCH_DENSE, PackableLinear
+from strata.layers.linear import SMALL_BATCH_DENSE, PackableLinear, small_batch_rows
 from strata.layers.quantization import cpu_matmul
 from strata.layers.quantization import weight_only as weight_only_module
 from strata.native import PTR
@@ -111,7 +111,7 @@ def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list
         return None
     keep.append(weight)
     return _Linear(blocked=0, n=weight.shape[0], k=weight.shape[1], weight=weight.data_ptr(), bias=_ptr(bias),
-                   row_bytes=weight.stride(0) * weight.element_size(), kind=kind), SMALL_BATCH_DENSE
+                   row_bytes=weight.stride(0) * weight.element_size(), kind=kind), small_batch_rows(weight)
 
 
 class _Plan:

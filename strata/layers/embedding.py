@@ -30,11 +30,12 @@ class VocabParallelEmbedding(nn.Module):
         _copy_checked(param.data[: rows.shape[0]], rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # .to: a table stored narrower than the activations (strata.layers.stored_dtype) is widened row by row.
         if self.pc.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight).to(self.dtype)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).to(self.dtype)
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.pc.all_reduce(out)
 

@@ -16,13 +16,17 @@ from strata.layers import onednn_weights
 from strata.layers.onednn_weights import can_pack
 from strata.layers.quantization import cpu_matmul
 
-# Rows up to which the C kernels beat oneDNN's GEMM on float32 / bfloat16 weights (2 Zen 4 cores).
+# Rows up to which the C kernels beat oneDNN's GEMM on oneDNN-packed float32 / bfloat16 weights (2 Zen 4 cores).
 SMALL_BATCH_DENSE = 3
+# Rows up to which the C kernel beats widening tiles of a plain bfloat16 weight for oneDNN's float32 GEMM (2 Zen 3
+# cores, a 16-layer step's worth of 1024-wide weights: 41 against 53 ms at 32 rows, even at 64).
+SMALL_BATCH_PLAIN = 32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) in x's dtype. On CPU a few rows run a C kernel (on the packed weight, or a plain
-    one such as a tied LM head's table), more rows oneDNN's GEMM; elsewhere F.linear."""
+    one such as a tied LM head's table or a bfloat16 weight), more rows oneDNN's GEMM (a plain bfloat16 weight
+    through float32 tiles where the CPU has no native bfloat16 arithmetic); elsewhere F.linear."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if weight.is_mkldnn:
         if 0 < rows <= SMALL_BATCH_DENSE and weight.blocked_layout is not None:
@@ -30,15 +34,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                                   weight.out_features, bias)
             return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)  # .to: no-op for float32 / bfloat16
         return onednn_weights.onednn_linear(x, weight, bias)
-    if x.device.type == "cpu" and 0 < rows <= SMALL_BATCH_DENSE:
+    if x.device.type != "cpu":
+        return F.linear(x, weight.to(x.dtype), bias)
+    if 0 < rows <= small_batch_rows(weight):
         kind = cpu_matmul.dense_kind(weight)
         if kind is not None and cpu_matmul.available():
             flat = x.reshape(rows, x.shape[-1]).to(torch.float32).contiguous()
             y = cpu_matmul.matmul(flat, weight, kind, weight.shape[0], bias=bias)
             return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    if weight.dtype == torch.bfloat16 and not can_pack(weight):  # no native bfloat16 GEMM here
+        return cpu_matmul.widened_linear(x, weight, bias)
     if can_pack(weight) and x.dtype == weight.dtype:  # oneDNN also serves a plain weight
         return cpu_matmul.gemm(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+def small_batch_rows(weight: torch.Tensor) -> int:
+    """Rows up to which a plain (not oneDNN-packed) weight goes through the small-batch C kernel."""
+    return SMALL_BATCH_PLAIN if weight.dtype == torch.bfloat16 and not can_pack(weight) else SMALL_BATCH_DENSE
 
 
 def pack_linear_weights(model: nn.Module) -> None:
@@ -64,7 +77,7 @@ class PackableLinear(nn.Module):
     def pack_weight(self) -> None:
         if self.quant is not None:
             self.quant.finish(self)
-        elif can_pack(self.weight):
+        elif can_pack(self.weight) and not getattr(self.weight, "stored_narrow", False):
             self.weight = onednn_weights.pack(self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

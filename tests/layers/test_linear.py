@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from strata.layers import linear as linear_module
 from strata.layers import onednn_weights
-from strata.layers.linear import SMALL_BATCH_DENSE, linear
+from strata.layers.linear import SMALL_BATCH_DENSE, SMALL_BATCH_PLAIN, linear
 from strata.layers.quantization import cpu_matmul
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if onednn_weights.can_pack(torch.zeros(1, dtype=torch.bfloat16))
@@ -67,3 +68,25 @@ def test_a_layout_of_the_right_size_is_taken_only_if_it_reproduces_onednn(monkey
     wrong = 32 if real.block == 64 else 64  # both fill exactly the same buffer for 128 outputs
     monkeypatch.setattr(onednn_weights, "_BLOCKS", (wrong, real.block))
     assert onednn_weights.pack(weight).blocked_layout == real
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, SMALL_BATCH_PLAIN, SMALL_BATCH_PLAIN + 1, 70])
+def test_a_plain_bfloat16_weight_without_native_bfloat16_takes_the_kernel_or_float32_tiles(x_dtype, rows,
+                                                                                          monkeypatch):
+    if not cpu_matmul.available():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(onednn_weights, "can_pack", lambda w: w.dtype == torch.float32)  # as on such a CPU
+    monkeypatch.setattr(linear_module, "can_pack", onednn_weights.can_pack)
+    monkeypatch.setattr(cpu_matmul, "TILE_BYTES", 4 * 100 * 16)  # 16 rows a tile: 5 tiles, the last short
+    kernel, tiles = _spy(monkeypatch, cpu_matmul, "matmul"), _spy(monkeypatch, cpu_matmul, "widened_linear")
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(77, 100, generator=g) * 0.1).bfloat16()
+    b = torch.randn(77, generator=g).bfloat16()
+    x = torch.randn(rows, 100, generator=g).to(x_dtype)
+    got = linear(x, w, b)
+    assert got.dtype == x_dtype
+    want = F.linear(x.double(), w.double(), b.double())
+    tol = 1e-5 if x_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    assert (bool(kernel), bool(tiles)) == (rows <= SMALL_BATCH_PLAIN, rows > SMALL_BATCH_PLAIN)

@@ -20,10 +20,6 @@ from strata.layers.quantization import cpu_matmul
 BLOCK = 32
 # Rows up to which the C kernel beats dequantizing tiles for oneDNN's GEMM (about even at 16 on a Zen 4 core).
 SMALL_BATCH = 16
-# A tile of the float32 weight, kept in the last-level cache for its GEMM. oneDNN repacks a plain weight on every
-# call, so few large tiles beat many L2-sized ones: 64 decodes of a W4A16 250M Llama ran 165 tokens/s with 1 MiB
-# tiles, 194 with 16 MiB (float32 weights: 197-221).
-TILE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -122,17 +118,13 @@ def _dequantize_gemm(rows: torch.Tensor, w: QuantizedWeight, kind: int, bias: to
     """Large batches: a tile of output rows at a time is dequantized into a cache-sized float32 buffer and
     multiplied there, so the float32 weight of a large layer is never whole in memory and the GEMM reads it
     from cache."""
-    n, k = w.out_features, w.in_features
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    tile_rows = max(16, TILE_BYTES // (4 * k))
-    tile = torch.empty(min(tile_rows, n), k, dtype=torch.float32)
     zeros = w.zeros
-    for n0 in range(0, n, tile_rows):
-        n1 = min(n, n0 + tile_rows)
-        dense = cpu_matmul.dequantize(w.packed[n0:n1], kind, k, w.scales[n0:n1],
-                                      None if zeros is None else zeros[n0:n1], w.effective_group_size, tile[:n1 - n0])
-        out[:, n0:n1] = cpu_matmul.gemm(rows, dense, None if bias is None else bias[n0:n1])
-    return out
+
+    def fill(tile: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
+        return cpu_matmul.dequantize(w.packed[n0:n1], kind, w.in_features, w.scales[n0:n1],
+                                     None if zeros is None else zeros[n0:n1], w.effective_group_size, tile)
+
+    return cpu_matmul.tiled_gemm(rows, w.out_features, fill, bias)
 
 
 def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

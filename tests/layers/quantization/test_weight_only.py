@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from strata import native
-from strata.layers.quantization import cpu_matmul, weight_only
+from strata.layers.quantization import cpu_matmul
 from strata.layers.quantization.weight_only import dequantize, pack_weight, unpack, weight_only_linear
 
 
@@ -173,7 +173,7 @@ def test_bfloat16_input_gives_bfloat16_output_close_to_float32():
 
 
 def test_large_batches_tile_the_weight_and_still_match(monkeypatch):
-    monkeypatch.setattr(weight_only, "TILE_BYTES", 4 * 200 * 16)  # 16 rows a tile: 5 tiles, the last short
+    monkeypatch.setattr(cpu_matmul, "TILE_BYTES", 4 * 200 * 16)  # 16 rows a tile: 5 tiles, the last short
     q, scales, zeros = _random_weight(75, 200, 4, 64, False)
     w = pack_weight(q, scales, zeros, 4, 64)
     x = torch.randn(40, 200)

@@ -1,0 +1,59 @@
+"""The one-call decode blocks (strata/layers/decode_block.py) compute exactly what the modules compute, and serve
+only the steps and layers their kernels can take."""
+from __future__ import annotations
+
+import pytest
+from checkpoints import make_llama
+
+from strata import LLM, SamplingParams
+from strata.layers import decode_block
+from strata.layers.decode_block import FusedDecodeLayer
+
+PROMPTS = [{"prompt_token_ids": list(range(3 + i, 9 + 3 * i))} for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def llama_with_biases(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("decode_block"), attention_bias=True, mlp_bias=True, num_layers=3)
+
+
+def _spy(monkeypatch) -> list[bool]:
+    served, original = [], FusedDecodeLayer.serves
+    monkeypatch.setattr(FusedDecodeLayer, "serves", lambda self, x, meta: served.append(original(self, x, meta))
+                        or served[-1])
+    return served
+
+
+def _generate(llm: LLM, n: int) -> list:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    return [o.outputs[0] for o in llm.generate(PROMPTS[:n], params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_decode_gives_the_modules_tokens_and_logprobs_exactly(llama_with_biases, monkeypatch, batch):
+    if decode_block._library() is None or decode_block._kernels() is None:
+        pytest.skip("no C compiler")
+    llm = LLM(str(llama_with_biases), device="cpu")
+    try:
+        served = _spy(monkeypatch)
+        fused = _generate(llm, batch)
+        assert served and all(served[len(served) // 2:])  # every layer of the decode steps took it
+        monkeypatch.setattr(FusedDecodeLayer, "serves", lambda self, x, meta: False)
+        plain = _generate(llm, batch)
+    finally:
+        llm.shutdown()
+    for a, b in zip(fused, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}
+
+
+def test_prefill_steps_and_batches_past_the_kernels_keep_the_modules_path(llama_with_biases, monkeypatch):
+    llm = LLM(str(llama_with_biases), device="cpu")
+    try:
+        served = _spy(monkeypatch)
+        prompts = [{"prompt_token_ids": list(range(3, 9 + i))} for i in range(5)]  # 5 decodes: dense kernels take 3
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert served and not any(served)
