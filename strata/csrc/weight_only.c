@@ -1,4 +1,4 @@
-/* Small-batch linear products read straight from float32, bfloat16, int8 or int4 weights (strata's packed
+/* Small-batch linear products read straight from float32, bfloat16, FP8 (e4m3), int8 or int4 weights (strata's packed
    layout, strata/layers/quantization/weight_only.py), and the dequantization the large-batch path uses.
    Built on first use by strata/native.py; AVX-512 VNNI (weight_only_vnni.h), AVX-512 (weight_only_avx512.h) or
    AVX2/FMA when the machine has it, plain C otherwise. */
@@ -22,7 +22,19 @@
 #define USE_AVX512 0
 #endif
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8 };
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8, KIND_FP8 = 9 };
+
+/* Kinds with a scale per group (FP8: per output channel, no zero point). */
+static inline int scaled(int kind) { return kind == KIND_INT4 || kind == KIND_INT8 || kind == KIND_FP8; }
+
+/* float8 e4m3 (bias 7, no infinities; the loader refuses its NaN codes) as float32: its 7 bits under float32's
+   exponent and mantissa, times 2^120 to move the bias from 127 to 7 (exact for subnormals too). */
+static inline float fp8_to_f32(uint8_t b) {
+    const uint32_t bits = ((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7f) << 20);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f * 0x1p120f;
+}
 #define BLOCK 32
 #define ROWS_PER_TASK 16
 #define MAX_MC 4 /* rows of x multiplied per pass over a weight row */
@@ -41,6 +53,7 @@ static inline float load_value(const weights_t *w, const uint8_t *row, int64_t k
     case KIND_F32: return ((const float *)row)[k];
     case KIND_BF16: return bf16_to_f32(((const uint16_t *)row)[k]);
     case KIND_INT8: return (float)row[k];
+    case KIND_FP8: return fp8_to_f32(row[k]);
     default: {
         const uint8_t byte = row[k / BLOCK * (BLOCK / 2) + k % (BLOCK / 2)];
         return (float)(k % BLOCK < BLOCK / 2 ? byte & 15 : byte >> 4);
@@ -49,6 +62,7 @@ static inline float load_value(const weights_t *w, const uint8_t *row, int64_t k
 }
 
 static inline float zero_point(const weights_t *w, int64_t n, int64_t g) {
+    if (w->kind == KIND_FP8) return 0.f;
     if (w->zeros) return w->zeros[n * w->groups + g];
     return w->kind == KIND_INT4 ? 8.f : 128.f;
 }
@@ -64,6 +78,16 @@ static inline void load_block(int kind, const uint8_t *row, int64_t b, __m256 v[
         for (int j = 0; j < 4; j++) {
             const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
             v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+        }
+    } else if (kind == KIND_FP8) { /* sign and 7 bits moved under float32's exponent, then rebiased */
+        const uint8_t *p = row + b * BLOCK;
+        const __m256i sign = _mm256_set1_epi32(0x80), rest = _mm256_set1_epi32(0x7f);
+        const __m256 rebias = _mm256_set1_ps(0x1p120f);
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * j)));
+            const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(q, sign), 24),
+                                                 _mm256_slli_epi32(_mm256_and_si256(q, rest), 20));
+            v[j] = _mm256_mul_ps(_mm256_castsi256_ps(bits), rebias);
         }
     } else if (kind == KIND_INT8) { /* widened straight from memory: no shuffles between the loads */
         const uint8_t *p = row + b * BLOCK;
@@ -96,7 +120,7 @@ static inline __attribute__((always_inline)) void row_blocks(const weights_t *w,
                                                             float *y) {
     const uint8_t *row = w->data + n * w->row_bytes;
     const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK, x_stride = w->k;
-    const int quantized = KIND == KIND_INT4 || KIND == KIND_INT8;
+    const int quantized = scaled(KIND);
     const float *scales = quantized ? w->scales + n * w->groups : NULL;
     __m256 total[MAX_MC][2];
     for (int m = 0; m < MC; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
@@ -104,7 +128,7 @@ static inline __attribute__((always_inline)) void row_blocks(const weights_t *w,
         const int64_t end = quantized && (g + 1) * per_group < full ? (g + 1) * per_group : full;
         const __m256 scale = quantized ? _mm256_broadcast_ss(scales + g) : _mm256_set1_ps(1.f);
         for (; b < end; b++) {
-            const int64_t block_bytes = KIND == KIND_F32 ? 128 : KIND == KIND_BF16 ? 64 : KIND == KIND_INT8 ? 32 : 16;
+            const int64_t block_bytes = KIND == KIND_F32 ? 128 : KIND == KIND_BF16 ? 64 : KIND == KIND_INT8 || KIND == KIND_FP8 ? 32 : 16;
             if (b * block_bytes % 64 == 0) prefetch_ahead(row + b * block_bytes, block_bytes); /* once a line */
             __m256 v[4];
             load_block(KIND, row, b, v);
@@ -130,7 +154,7 @@ static inline void row_blocks(const weights_t *w, int64_t n, const float *x, con
     const uint8_t *row = w->data + n * w->row_bytes;
     const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK, x_stride = w->k;
     (void)KIND;
-    const int quantized = w->kind == KIND_INT4 || w->kind == KIND_INT8;
+    const int quantized = scaled(w->kind);
     for (int m = 0; m < MC; m++) y[m] = 0.f;
     int64_t b = 0;
     for (int64_t g = 0; g < w->groups && b < full; g++) {
@@ -152,7 +176,7 @@ static inline void row_blocks(const weights_t *w, int64_t n, const float *x, con
 /* The values past the last full block, dequantized one by one. */
 static inline float row_tail(const weights_t *w, int64_t n, const float *x) {
     const uint8_t *row = w->data + n * w->row_bytes;
-    const int quantized = w->kind == KIND_INT4 || w->kind == KIND_INT8;
+    const int quantized = scaled(w->kind);
     float acc = 0.f;
     for (int64_t k = w->k / BLOCK * BLOCK; k < w->k; k++) {
         float v = load_value(w, row, k);
@@ -175,6 +199,7 @@ DEFINE_ROWS(KIND_F32)
 DEFINE_ROWS(KIND_BF16)
 DEFINE_ROWS(KIND_INT4)
 DEFINE_ROWS(KIND_INT8)
+DEFINE_ROWS(KIND_FP8)
 #define ROWS_OF(KIND, MC) ((MC) == 4 ? row_##KIND##_4 : (MC) == 2 ? row_##KIND##_2 : row_##KIND##_1)
 
 /* The kernel for a weight kind and a chunk of 1, 2 or 4 rows of x, each specialised at compile time. */
@@ -183,6 +208,7 @@ static row_fn row_kernel(int kind, int mc) {
     case KIND_F32: return ROWS_OF(KIND_F32, mc);
     case KIND_BF16: return ROWS_OF(KIND_BF16, mc);
     case KIND_INT4: return ROWS_OF(KIND_INT4, mc);
+    case KIND_FP8: return ROWS_OF(KIND_FP8, mc);
     default: return ROWS_OF(KIND_INT8, mc);
     }
 }
@@ -276,13 +302,13 @@ static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, co
 
 /* out[m_total, n] = x[m_total, k] (float32, contiguous) times the weight's transpose (+ bias, float32 or NULL).
    kind: 0 float32 / 1 bfloat16 weight [n, k]; 4 / 8: packed int4 / int8 with scales and zeros
-   [n, groups]. Rows of the weight are shared among the threads, each read once for every x row (once for
+   [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]. Rows of the weight are shared among the threads, each read once for every x row (once for
    every 8 rows with AVX-512). Returns 0, or -1 when scratch memory ran out. */
 int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *weight, int64_t row_bytes,
                        int kind, const float *scales, const float *zeros, int64_t groups, int64_t group_size,
                        const float *bias, float *out, int64_t n, int num_threads) {
-    const int quantized = kind == KIND_INT4 || kind == KIND_INT8;
-    const weights_t w = {weight, row_bytes, n, k, quantized ? groups : 1, quantized ? group_size : k + BLOCK,
+    const int quantized = kind == KIND_INT4 || kind == KIND_INT8; /* with zero points */
+    const weights_t w = {weight, row_bytes, n, k, scaled(kind) ? groups : 1, scaled(kind) ? group_size : k + BLOCK,
                          scales, zeros, kind};
 #if USE_AVX512 /* dense kinds are memory-bound, and no faster with it */
 #if USE_VNNI
@@ -318,7 +344,7 @@ int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *w
     return 0;
 }
 
-/* out[n, k] = the float32 weight of a packed int4 / int8 matrix (for large batches, which then run a GEMM). */
+/* out[n, k] = the float32 weight of a packed int4 / int8 or FP8 matrix (for large batches, which then run a GEMM). */
 void weight_only_dequantize(const void *weight, int64_t row_bytes, int kind, const float *scales,
                             const float *zeros, int64_t groups, int64_t group_size, int64_t n, int64_t k,
                             float *out, int num_threads) {
@@ -336,6 +362,7 @@ void weight_only_dequantize(const void *weight, int64_t row_bytes, int kind, con
             for (; i + BLOCK <= hi; i += BLOCK) {
                 __m256 v[4];
                 if (kind == KIND_INT4) load_block(KIND_INT4, row, i / BLOCK, v);
+                else if (kind == KIND_FP8) load_block(KIND_FP8, row, i / BLOCK, v);
                 else load_block(KIND_INT8, row, i / BLOCK, v);
                 for (int j = 0; j < 4; j++)
                     _mm256_storeu_ps(dst + i + 8 * j, _mm256_mul_ps(_mm256_sub_ps(v[j], vzero), vscale));

@@ -92,9 +92,8 @@ def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list
         if w is None or method.perm is not None or method.scheme.dynamic_activations:
             return None  # FP8 (not unpacked), activation order (a gather per call), activations quantized per call
         keep.extend(t for t in (w.packed, w.scales, w.zeros) if t is not None)
-        kind = cpu_matmul.KIND_INT4 if w.bits == 4 else cpu_matmul.KIND_INT8
         return _Linear(blocked=0, n=w.out_features, k=w.in_features, weight=w.packed.data_ptr(), bias=_ptr(bias),
-                       row_bytes=w.packed.stride(0), kind=kind, groups=w.scales.shape[1],
+                       row_bytes=w.packed.stride(0), kind=w.kernel_kind, groups=w.scales.shape[1],
                        group_size=w.effective_group_size, scales=w.scales.data_ptr(),
                        zeros=_ptr(w.zeros)), weight_only_module.SMALL_BATCH
     weight = layer.weight

@@ -1,4 +1,4 @@
-"""ctypes bindings of strata/csrc/weight_only.c: small-batch products read straight from float32, bfloat16,
+"""ctypes bindings of strata/csrc/weight_only.c: small-batch products read straight from float32, bfloat16, FP8,
 int8 or int4 weights on CPU (every thread of the rank), and the dequantization large batches use."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from strata import native
 from strata.native import I32, I64, PTR
 
-KIND_F32, KIND_BF16, KIND_INT4, KIND_INT8 = 0, 1, 4, 8
+KIND_F32, KIND_BF16, KIND_INT4, KIND_INT8, KIND_FP8 = 0, 1, 4, 8, 9
 _DENSE_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16}
 
 
@@ -50,7 +50,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, kind: int, out_features: int, 
 
 def dequantize(weight: torch.Tensor, kind: int, in_features: int, scales: torch.Tensor,
                zeros: torch.Tensor | None, group_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 [N, in_features] matrix of packed int4/int8 rows (written into `out` when given)."""
+    """The float32 [N, in_features] matrix of packed int4 / int8 / FP8 rows (written into `out` when given)."""
     n = weight.shape[0]
     if out is None:
         out = torch.empty(n, in_features, dtype=torch.float32)

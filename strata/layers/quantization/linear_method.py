@@ -1,6 +1,6 @@
 """Linear layers of a quantized checkpoint: their stored tensors replace `weight`, each loaded through a loader that
 keeps this rank's part along the right dimension; after loading they become one canonical `QuantizedWeight`
-(FP8 stays FP8 and is widened per call)."""
+(FP8 stays FP8, widened in the kernel's registers)."""
 from __future__ import annotations
 
 import functools
@@ -8,7 +8,6 @@ import logging
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from strata.errors import ConfigError
@@ -18,7 +17,7 @@ from strata.layers.moe import FusedMoE
 from strata.layers.quantization.formats import Canonical, layouts, to_canonical
 from strata.layers.quantization.moe_method import quantize_experts
 from strata.layers.quantization.stored import load_stored, local_shape
-from strata.layers.quantization.weight_only import QuantizedWeight, pack_weight, weight_only_linear
+from strata.layers.quantization.weight_only import QuantizedWeight, pack_fp8, pack_weight, weight_only_linear
 from strata.quant_config import FP8, INT8_W8A8, LinearScheme, QuantConfig
 
 logger = logging.getLogger(__name__)
@@ -29,16 +28,24 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 class QuantizedLinearMethod:
     """What a quantized layer computes with; it holds no parameters (those stay on the layer, by name)."""
 
-    def __init__(self, scheme: LinearScheme, out_features: int, in_features: int) -> None:
-        self.scheme, self.n, self.k = scheme, out_features, in_features
+    def __init__(self, scheme: LinearScheme, out_features: int, in_features: int, name: str = "") -> None:
+        self.scheme, self.n, self.k, self.name = scheme, out_features, in_features, name
         self.weight: QuantizedWeight | None = None
         self.perm: torch.Tensor | None = None
 
     def finish(self, layer: PackableLinear) -> None:
         """Loaded stored tensors -> the canonical weight; the stored tensors are dropped."""
-        if self.scheme.format == FP8 or self.weight is not None:
+        if self.weight is not None:
             return
         names = list(layouts(self.scheme, self.k))
+        if self.scheme.format == FP8:
+            try:
+                self.weight = pack_fp8(layer.weight.data, layer.weight_scale.data)
+            except ValueError as e:
+                raise ConfigError(f"{self.name or 'an FP8 layer'}: {e}", param="model") from e
+            for name in names:
+                delattr(layer, name)
+            return
         stored = {name: getattr(layer, name).data for name in names}
         canonical: Canonical = to_canonical(self.scheme, stored, self.n, self.k)
         groups = canonical.scales.shape[1]
@@ -49,18 +56,14 @@ class QuantizedLinearMethod:
             delattr(layer, name)
 
     def apply(self, layer: PackableLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.scheme.format == FP8:
-            if self.scheme.dynamic_activations:
-                x = fake_quantize_per_token(x, FP8_MAX, torch.float8_e4m3fn)
-            # Widened for this product only: the stored weight stays FP8.
-            w = layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype)
-            return F.linear(x, w, bias)
         if self.weight is None:
             raise RuntimeError("a quantized layer ran before its weights were loaded and finished")
         if self.perm is not None:
             x = x[..., self.perm]
         if self.scheme.format == INT8_W8A8 and self.scheme.dynamic_activations:
             x = fake_quantize_per_token(x, 127.0, None)
+        elif self.scheme.format == FP8 and self.scheme.dynamic_activations:
+            x = fake_quantize_per_token(x, FP8_MAX, torch.float8_e4m3fn)
         return weight_only_linear(x, self.weight, bias)
 
     @property
@@ -95,7 +98,7 @@ def quantize_layer(layer: PackableLinear, scheme: LinearScheme, name: str) -> No
                              requires_grad=False)
         param.weight_loader = functools.partial(load_stored, layer, lay, suffix)
         layer.register_parameter(suffix, param)
-    layer.quant = QuantizedLinearMethod(scheme, n, k)
+    layer.quant = QuantizedLinearMethod(scheme, n, k, name)
 
 
 def checkpoint_module_names(name: str, stacked: Iterable[tuple[str, str, object]]) -> list[str]:

@@ -1,10 +1,11 @@
-"""Weight-only quantized linear layers (int4 / int8 weights, float activations): the one packed layout strata
-keeps in memory, `pack_weight` to build it from unsigned integers, scales and zero points, and
-`weight_only_linear` to multiply by it (a C kernel on CPU, dequantize-then-matmul elsewhere).
+"""Weight-only quantized linear layers (int4 / int8 / FP8 weights, float activations): the one packed layout strata
+keeps in memory, `pack_weight` to build it from unsigned integers, scales and zero points (`pack_fp8` from float8
+e4m3 values and per-channel scales), and `weight_only_linear` to multiply by it (a C kernel on CPU, which widens FP8
+in registers, dequantize-then-matmul elsewhere).
 
 Layout (one copy serves every batch size): K is padded to a multiple of 32 and cut into blocks of 32 values.
-int8 stores one unsigned byte per value; int4 stores a block in 16 bytes, byte j holding value j in its low
-nibble and value j + 16 in its high nibble (so a SIMD register unpacks into two runs of 16 in order).
+int8 stores one unsigned byte per value, FP8 its e4m3 byte; int4 stores a block in 16 bytes, byte j holding value
+j in its low nibble and value j + 16 in its high nibble (so a SIMD register unpacks into two runs of 16 in order).
 Scales (and zero points, when asymmetric) are float32 `[N, groups]`; a group covers `group_size` values of K
 (a multiple of 32; per channel: all of K) and the last one may be short.
 """
@@ -33,6 +34,7 @@ class QuantizedWeight:
     group_size: int  # -1: one scale per output channel
     out_features: int
     in_features: int
+    float8: bool = False  # packed holds float8 e4m3 bytes (no zero points), not unsigned integers
 
     @property
     def nbytes(self) -> int:
@@ -52,7 +54,14 @@ class QuantizedWeight:
     def to(self, device: torch.device | str) -> QuantizedWeight:
         move = (lambda t: None if t is None else t.to(device))
         return QuantizedWeight(move(self.packed), move(self.scales), move(self.zeros), self.bits, self.group_size,
-                               self.out_features, self.in_features)
+                               self.out_features, self.in_features, self.float8)
+
+    @property
+    def kernel_kind(self) -> int:
+        """The C kernel's name for this weight's values."""
+        if self.float8:
+            return cpu_matmul.KIND_FP8
+        return cpu_matmul.KIND_INT4 if self.bits == 4 else cpu_matmul.KIND_INT8
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -92,6 +101,22 @@ def pack_weight(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
                            None if zeros is None else zeros.to(torch.float32).contiguous(), bits, group_size, n, k)
 
 
+def pack_fp8(weight: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+    """weight: float8_e4m3fn [N, K]; scales: float32, one per output channel ([N] or [N, 1]) or one for the whole
+    tensor. The kernels do not decode e4m3's NaN codes, so a weight holding one is refused."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"an FP8 weight must be float8_e4m3fn [out, in], got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    raw = weight.contiguous().view(torch.uint8)
+    if bool(((raw & 0x7F) == 0x7F).any()):
+        raise ValueError("the FP8 weight holds NaN values")
+    scales = scales.to(torch.float32).reshape(-1)
+    if scales.numel() not in (1, n):
+        raise ValueError(f"FP8 scales must be one per output channel ({n}) or one per tensor, got {scales.numel()}")
+    packed = F.pad(raw, (0, _round_up(k, BLOCK) - k)).contiguous()  # byte 0 is +0.0
+    return QuantizedWeight(packed, scales.expand(n).reshape(n, 1).contiguous(), None, 8, -1, n, k, float8=True)
+
+
 def unpack(w: QuantizedWeight) -> torch.Tensor:
     """The unsigned integers [N, K] (int32) that `pack_weight` was given."""
     n = w.out_features
@@ -105,6 +130,8 @@ def unpack(w: QuantizedWeight) -> torch.Tensor:
 
 def dequantize(w: QuantizedWeight) -> torch.Tensor:
     """The float32 weight [N, K] (the reference every kernel is checked against)."""
+    if w.float8:
+        return w.packed[:, :w.in_features].contiguous().view(torch.float8_e4m3fn).to(torch.float32) * w.scales
     group = w.effective_group_size
     scales = w.scales.repeat_interleave(group, dim=1)[:, :w.in_features]
     if w.zeros is None:
@@ -135,7 +162,7 @@ def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor |
     if x.shape[-1] != w.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {w.in_features}")
     rows = x.reshape(-1, w.in_features).to(torch.float32).contiguous()
-    kind = cpu_matmul.KIND_INT4 if w.bits == 4 else cpu_matmul.KIND_INT8
+    kind = w.kernel_kind
     if x.device.type != "cpu" or not cpu_matmul.available():
         y = F.linear(rows, dequantize(w), None if bias is None else bias.to(torch.float32))
     elif rows.shape[0] <= SMALL_BATCH:

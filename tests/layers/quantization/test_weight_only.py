@@ -11,7 +11,7 @@ import torch
 
 from strata import native
 from strata.layers.quantization import cpu_matmul
-from strata.layers.quantization.weight_only import dequantize, pack_weight, unpack, weight_only_linear
+from strata.layers.quantization.weight_only import dequantize, pack_fp8, pack_weight, unpack, weight_only_linear
 
 
 def _random_weight(n: int, k: int, bits: int, group_size: int, symmetric: bool, seed: int = 0):
@@ -96,6 +96,8 @@ def _kernel_cases(n: int, k: int):
         kind = cpu_matmul.KIND_INT4 if bits == 4 else cpu_matmul.KIND_INT8
         yield kind, w.packed, w.scales, w.zeros, w.effective_group_size, _reference(q, scales, zeros, bits,
                                                                                       group_size)
+    fp8 = pack_fp8(_random_fp8(n, k, 4), torch.rand(n, generator=g) + 0.5)
+    yield cpu_matmul.KIND_FP8, fp8.packed, fp8.scales, None, fp8.effective_group_size, dequantize(fp8)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -209,3 +211,46 @@ def test_small_batch_kernel_passes_nan_and_infinity_through(bits):
     x[0, 5], x[1, 200] = float("nan"), float("inf")
     y = weight_only_linear(x, w)
     assert not torch.isfinite(y).any()
+
+
+def _random_fp8(n: int, k: int, seed: int) -> torch.Tensor:
+    """Every finite e4m3 code, subnormals and both zeros included (the NaN codes 0x7f / 0xff left out)."""
+    codes = torch.randint(0, 254, (n, k), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    codes = codes + (codes >= 0x7F).int()  # skip 0x7f; 0xfe + 1 = 0xff is never drawn
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def test_fp8_weights_widen_to_torchs_float8_values():
+    weight = _random_fp8(40, 96, 0)
+    scales = torch.rand(40) + 0.5
+    w = pack_fp8(weight, scales)
+    assert w.float8 and w.packed.dtype == torch.uint8 and w.nbytes == 40 * 96 + 40 * 4
+    torch.testing.assert_close(dequantize(w), weight.float() * scales[:, None], rtol=0, atol=0)
+    per_tensor = pack_fp8(weight, torch.tensor(0.25))
+    torch.testing.assert_close(dequantize(per_tensor), weight.float() * 0.25, rtol=0, atol=0)
+
+
+def test_fp8_weights_with_nan_or_wrong_scales_are_refused():
+    weight = _random_fp8(8, 64, 1)
+    with pytest.raises(ValueError, match="NaN"):
+        pack_fp8(torch.where(torch.arange(64) == 5, torch.tensor(float("nan")), weight.float()).to(
+            torch.float8_e4m3fn), torch.ones(8))
+    with pytest.raises(ValueError, match="one per output channel"):
+        pack_fp8(weight, torch.ones(3))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 64, 300])
+def test_fp8_weight_only_linear_matches_dequantize_then_matmul(m, threads):
+    n, k = 75, 200  # neither a multiple of 64; K ends in a partial block
+    weight = _random_fp8(n, k, m)
+    w = pack_fp8(weight, torch.rand(n) * 0.01 + 0.001)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = weight_only_linear(x, w, bias)
+    finally:
+        torch.set_num_threads(before)
+    _assert_close_to(y, x.double() @ dequantize(w).double().T + bias.double(), f"fp8 m={m}")
