@@ -36,11 +36,16 @@ def _library() -> ctypes.CDLL | None:
         [PTR, I64, I64, PTR, I32, I64, I64, I64, PTR, PTR, I32, I32], I32)})
 
 
+@functools.cache
+def _native_bfloat16() -> bool:
+    """Asked once: `linear` asks for every product on a plain bfloat16 weight, and the op costs microseconds."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.is_mkldnn or not torch.backends.mkldnn.is_available():
         return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
-                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _native_bfloat16())
 
 
 def pack(weight: torch.Tensor) -> nn.Parameter:
