@@ -1,5 +1,5 @@
-/* Small-batch linear products read straight from float32, bfloat16, FP8 (e4m3), int8 or int4 weights (strata's packed
-   layout, strata/layers/quantization/weight_only.py), and the dequantization the large-batch path uses.
+/* Small-batch linear products read straight from float32, bfloat16, FP8 (e4m3), int8 or int4 weights (strata's
+   packed layout, strata/layers/quantization/weight_only.py), and the dequantization the large-batch path uses.
    Built on first use by strata/native.py; AVX-512 VNNI (weight_only_vnni.h), AVX-512 (weight_only_avx512.h) or
    AVX2/FMA when the machine has it, plain C otherwise. */
 #include <math.h>
@@ -128,7 +128,8 @@ static inline __attribute__((always_inline)) void row_blocks(const weights_t *w,
         const int64_t end = quantized && (g + 1) * per_group < full ? (g + 1) * per_group : full;
         const __m256 scale = quantized ? _mm256_broadcast_ss(scales + g) : _mm256_set1_ps(1.f);
         for (; b < end; b++) {
-            const int64_t block_bytes = KIND == KIND_F32 ? 128 : KIND == KIND_BF16 ? 64 : KIND == KIND_INT8 || KIND == KIND_FP8 ? 32 : 16;
+            const int64_t block_bytes =
+                KIND == KIND_F32 ? 128 : KIND == KIND_BF16 ? 64 : KIND == KIND_INT8 || KIND == KIND_FP8 ? 32 : 16;
             if (b * block_bytes % 64 == 0) prefetch_ahead(row + b * block_bytes, block_bytes); /* once a line */
             __m256 v[4];
             load_block(KIND, row, b, v);
@@ -302,14 +303,14 @@ static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, co
 
 /* out[m_total, n] = x[m_total, k] (float32, contiguous) times the weight's transpose (+ bias, float32 or NULL).
    kind: 0 float32 / 1 bfloat16 weight [n, k]; 4 / 8: packed int4 / int8 with scales and zeros
-   [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]. Rows of the weight are shared among the threads, each read once for every x row (once for
-   every 8 rows with AVX-512). Returns 0, or -1 when scratch memory ran out. */
+   [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]. Rows of the weight are shared among the threads,
+   each read once for every x row (once for every 8 rows with AVX-512). Returns 0, or -1 when scratch memory ran out. */
 int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *weight, int64_t row_bytes,
                        int kind, const float *scales, const float *zeros, int64_t groups, int64_t group_size,
                        const float *bias, float *out, int64_t n, int num_threads) {
     const int quantized = kind == KIND_INT4 || kind == KIND_INT8; /* with zero points */
-    const weights_t w = {weight, row_bytes, n, k, scaled(kind) ? groups : 1, scaled(kind) ? group_size : k + BLOCK,
-                         scales, zeros, kind};
+    const weights_t w = {weight, row_bytes, n, k, scaled(kind) ? groups : 1,
+                         scaled(kind) ? group_size : k + BLOCK, scales, zeros, kind};
 #if USE_AVX512 /* dense kinds are memory-bound, and no faster with it */
 #if USE_VNNI
     if (quantized) return matmul_vnni(&w, x, m_total, bias, out, num_threads);

@@ -19,7 +19,8 @@ static inline __attribute__((always_inline)) void four_rows(const weights_t *w, 
     const int64_t block_bytes = KIND == KIND_INT8 ? 32 : 16;
     const uint8_t *rows[FOUR];
     const float *scales[FOUR];
-    for (int r = 0; r < FOUR; r++) rows[r] = w->data + (n + r) * w->row_bytes, scales[r] = w->scales + (n + r) * w->groups;
+    for (int r = 0; r < FOUR; r++)
+        rows[r] = w->data + (n + r) * w->row_bytes, scales[r] = w->scales + (n + r) * w->groups;
     __m256 total[FOUR];
     for (int r = 0; r < FOUR; r++) total[r] = _mm256_setzero_ps();
     for (int64_t g = 0, b = 0; b < full; g++) {
@@ -42,7 +43,8 @@ static inline __attribute__((always_inline)) void four_rows(const weights_t *w, 
             }
         }
         for (int r = 0; r < FOUR; r++)
-            total[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_broadcast_ss(scales[r] + g), total[r]);
+            total[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_broadcast_ss(scales[r] + g),
+                                       total[r]);
     }
     for (int r = 0; r < FOUR; r++) y[r] = hsum(total[r]);
 }
