@@ -27,7 +27,7 @@ typedef struct {
 } kernels_t;
 
 /* One linear layer as a kernel reads it: oneDNN's blocked layout (blocked_matmul) or strata's rows of float32,
-   bfloat16, int8 or int4 values (weight_only_matmul). */
+   bfloat16, FP8, int8 or int4 values (weight_only_matmul). */
 typedef struct {
     int64_t blocked, n, k;
     const void *weight;

@@ -67,6 +67,14 @@ static inline float zero_point(const weights_t *w, int64_t n, int64_t g) {
     return w->kind == KIND_INT4 ? 8.f : 128.f;
 }
 
+/* The zero-point term of row n: sum over groups of scale * zero * (x summed over the group's full blocks). */
+static inline float zero_term(const weights_t *w, int64_t n, const float *xsum) {
+    float correction = 0.f;
+    const float *scales = w->scales + n * w->groups;
+    for (int64_t g = 0; g < w->groups; g++) correction += scales[g] * zero_point(w, n, g) * xsum[g];
+    return correction;
+}
+
 #if USE_AVX2
 /* The 32 values of block b of a row, as four registers of 8 floats (quantized kinds: the raw unsigned q). */
 static inline void load_block(int kind, const uint8_t *row, int64_t b, __m256 v[4]) {
@@ -142,12 +150,9 @@ static inline __attribute__((always_inline)) void row_blocks(const weights_t *w,
             }
         }
     }
-    for (int m = 0; m < MC; m++) {
-        float correction = 0.f;
-        if (quantized)
-            for (int64_t g = 0; g < w->groups; g++) correction += scales[g] * zero_point(w, n, g) * xsum[m * w->groups + g];
-        y[m] = hsum(_mm256_add_ps(total[m][0], total[m][1])) - correction;
-    }
+    for (int m = 0; m < MC; m++)
+        y[m] = hsum(_mm256_add_ps(total[m][0], total[m][1])) -
+               (quantized ? zero_term(w, n, xsum + m * w->groups) : 0.f);
 }
 #else
 static inline void row_blocks(const weights_t *w, int64_t n, const float *x, const float *xsum, const int KIND,

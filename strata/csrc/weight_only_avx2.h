@@ -13,10 +13,8 @@
 
 /* Full blocks of rows n .. n + 3 against one row of x: y[r] = sum over groups of scale * (q . x), without the
    zero-point term. */
-static inline __attribute__((always_inline)) void four_rows(const weights_t *w, int64_t n, const float *x,
-                                                           const int KIND, float y[FOUR]) {
-    const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK;
-    const int64_t block_bytes = KIND == KIND_INT8 ? 32 : 16;
+static void four_rows_int4(const weights_t *w, int64_t n, const float *x, float y[FOUR]) {
+    const int64_t full = w->k / BLOCK, per_group = w->group_size / BLOCK, block_bytes = BLOCK / 2;
     const uint8_t *rows[FOUR];
     const float *scales[FOUR];
     for (int r = 0; r < FOUR; r++)
@@ -35,7 +33,7 @@ static inline __attribute__((always_inline)) void four_rows(const weights_t *w, 
             const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
             for (int r = 0; r < FOUR; r++) {
                 __m256 v[4];
-                load_block(KIND, rows[r], b, v);
+                load_block(KIND_INT4, rows[r], b, v);
                 acc[r][0] = _mm256_fmadd_ps(v[0], x0, acc[r][0]);
                 acc[r][1] = _mm256_fmadd_ps(v[1], x1, acc[r][1]);
                 acc[r][0] = _mm256_fmadd_ps(v[2], x2, acc[r][0]);
@@ -47,18 +45,6 @@ static inline __attribute__((always_inline)) void four_rows(const weights_t *w, 
                                        total[r]);
     }
     for (int r = 0; r < FOUR; r++) y[r] = hsum(total[r]);
-}
-
-static void four_rows_int4(const weights_t *w, int64_t n, const float *x, float y[FOUR]) {
-    four_rows(w, n, x, KIND_INT4, y);
-}
-
-/* The zero-point term of row n: sum over groups of scale * zero * (x summed over the group's full blocks). */
-static inline float zero_term(const weights_t *w, int64_t n, const float *xsum) {
-    float correction = 0.f;
-    const float *scales = w->scales + n * w->groups;
-    for (int64_t g = 0; g < w->groups; g++) correction += scales[g] * zero_point(w, n, g) * xsum[g];
-    return correction;
 }
 
 /* Rows n0 .. n1 of an int4 weight against every row of x, four weight rows at a time (the rest one by one). */

@@ -4,7 +4,7 @@ layer's dozen Python-level calls cost more than its arithmetic (about 0.35 ms a 
 
 `FusedDecodeLayer.serves` says whether a step can take it: float32 activations on CPU, a decode-only step of the
 plain-torch attention path, few enough tokens for every linear's small-batch kernel, and layers whose weights those
-kernels read (oneDNN-packed or plain float, or int4 / int8 weight-only). Anything else keeps the modules' path.
+kernels read (oneDNN-packed or plain float, or int4 / int8 / FP8 weight-only). Anything else keeps the modules' path.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list) -> tuple[_Linear, int] | None:
     """The kernel's view of a linear layer and the most rows it serves (as `linear` and `weight_only_linear`
-    choose kernels), or None when its weights need another path (FP8, activation-ordered or activation-quantized
+    choose kernels), or None when its weights need another path (activation-ordered or activation-quantized
     schemes, weights no small-batch kernel reads). Tensors the description points into are appended to `keep`."""
     if bias is not None:
         if bias.dtype != torch.float32:
@@ -90,7 +90,7 @@ def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list
     if layer.quant is not None:
         method, w = layer.quant, getattr(layer.quant, "weight", None)
         if w is None or method.perm is not None or method.scheme.dynamic_activations:
-            return None  # FP8 (not unpacked), activation order (a gather per call), activations quantized per call
+            return None  # not finished yet, activation order (a gather per call), activations quantized per call
         keep.extend(t for t in (w.packed, w.scales, w.zeros) if t is not None)
         return _Linear(blocked=0, n=w.out_features, k=w.in_features, weight=w.packed.data_ptr(), bias=_ptr(bias),
                        row_bytes=w.packed.stride(0), kind=w.kernel_kind, groups=w.scales.shape[1],

@@ -36,22 +36,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return onednn_weights.onednn_linear(x, weight, bias)
     if x.device.type != "cpu":
         return F.linear(x, weight.to(x.dtype), bias)
-    if 0 < rows <= small_batch_rows(weight):
+    widened = _widened(weight)
+    if 0 < rows <= (SMALL_BATCH_PLAIN if widened else SMALL_BATCH_DENSE):
         kind = cpu_matmul.dense_kind(weight)
         if kind is not None and cpu_matmul.available():
             flat = x.reshape(rows, x.shape[-1]).to(torch.float32).contiguous()
             y = cpu_matmul.matmul(flat, weight, kind, weight.shape[0], bias=bias)
             return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-    if weight.dtype == torch.bfloat16 and not can_pack(weight):  # no native bfloat16 GEMM here
+    if widened:
         return cpu_matmul.widened_linear(x, weight, bias)
     if can_pack(weight) and x.dtype == weight.dtype:  # oneDNN also serves a plain weight
         return cpu_matmul.gemm(x, weight, bias)
     return F.linear(x, weight.to(x.dtype), bias)
 
 
+def _widened(weight: torch.Tensor) -> bool:
+    """A plain bfloat16 weight where the CPU has no native bfloat16 GEMM: products widen it to float32."""
+    return weight.dtype == torch.bfloat16 and not can_pack(weight)
+
+
 def small_batch_rows(weight: torch.Tensor) -> int:
     """Rows up to which a plain (not oneDNN-packed) weight goes through the small-batch C kernel."""
-    return SMALL_BATCH_PLAIN if weight.dtype == torch.bfloat16 and not can_pack(weight) else SMALL_BATCH_DENSE
+    return SMALL_BATCH_PLAIN if _widened(weight) else SMALL_BATCH_DENSE
 
 
 def pack_linear_weights(model: nn.Module) -> None:

@@ -32,6 +32,15 @@ def _reference(q, scales, zeros, bits, group_size):
     return (q.float() - z) * s
 
 
+def _linear_on_threads(x: torch.Tensor, w, bias: torch.Tensor, threads: int) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return weight_only_linear(x, w, bias)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _assert_close_to(y: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """Within 1e-5 of the outputs' scale (float32 products; the VNNI kernel's 24-bit x is as exact)."""
     tolerance = 1e-5 * expected.abs().max().item()
@@ -73,12 +82,7 @@ def test_weight_only_linear_matches_dequantize_then_matmul(m, bits, group_size, 
     w = pack_weight(q, scales, zeros, bits, group_size)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(n)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        y = weight_only_linear(x, w, bias)
-    finally:
-        torch.set_num_threads(before)
+    y = _linear_on_threads(x, w, bias, threads)
     reference = x.double() @ _reference(q, scales, zeros, bits, group_size).double().T + bias.double()
     _assert_close_to(y, reference, "weight_only_linear")
 
@@ -247,10 +251,5 @@ def test_fp8_weight_only_linear_matches_dequantize_then_matmul(m, threads):
     w = pack_fp8(weight, torch.rand(n) * 0.01 + 0.001)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(n)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        y = weight_only_linear(x, w, bias)
-    finally:
-        torch.set_num_threads(before)
+    y = _linear_on_threads(x, w, bias, threads)
     _assert_close_to(y, x.double() @ dequantize(w).double().T + bias.double(), f"fp8 m={m}")
