@@ -55,7 +55,9 @@ def _library() -> ctypes.CDLL | None:
     blocks = [ctypes.POINTER(_Kernels), PTR, ctypes.POINTER(_Step), PTR, PTR]
     return native.bind("decode_layer", {
         "attention_block": (blocks + [ctypes.c_int, PTR, PTR], ctypes.c_int),
-        "mlp_block": (blocks + [PTR, PTR], ctypes.c_int)})
+        "mlp_block": (blocks + [PTR, PTR], ctypes.c_int),
+        "decode_layers": ([ctypes.POINTER(_Kernels), PTR, PTR, I64, ctypes.POINTER(_Step), PTR, PTR, ctypes.c_int,
+                           PTR, PTR, PTR], ctypes.c_int)})
 
 
 @functools.cache
@@ -116,9 +118,15 @@ def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list
 class _Plan:
     """The two blocks of one layer, described once (after loading and packing: the weights no longer move)."""
 
-    def __init__(self, attention: _AttentionBlock, mlp: _MlpBlock, max_rows: int, k_cache: torch.Tensor,
+    def __init__(self, attention: _AttentionBlock, mlp: _MlpBlock, max_rows: int, attn: torch.nn.Module,
                  keep: list) -> None:
-        self.attention, self.mlp, self.max_rows, self.k_cache, self.keep = attention, mlp, max_rows, k_cache, keep
+        self.attention, self.mlp, self.max_rows, self.keep = attention, mlp, max_rows, keep
+        self.attn, self.k_cache = attn, attn.k_cache
+
+    @property
+    def current(self) -> bool:
+        """Whether the caches it points into are still the layer's."""
+        return self.attn.k_cache is self.k_cache
 
 
 class FusedDecodeLayer:
@@ -170,7 +178,7 @@ class FusedDecodeLayer:
         keep.extend((attn.k_cache, attn.v_cache))
         block = _MlpBlock(norm_weight=norms[1].weight.data_ptr(), eps=norms[1].eps, hidden=hidden,
                           intermediate=gate_up.n // 2, gate_up=gate_up, down=down)
-        return _Plan(attention, block, max_rows, attn.k_cache, keep)
+        return _Plan(attention, block, max_rows, attn, keep)
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,3 +232,53 @@ def _scratch_floats(plan: _Plan, tokens: int) -> int:
     attention = a.hidden + (q_width + 2 * a.num_kv_heads * a.head_dim) + 2 * q_width
     mlp = m.hidden + 3 * m.intermediate
     return tokens * max(attention, mlp)
+
+
+class FusedDecodeStack:
+    """A stage's decoder layers in one C call for a decode step without tensor parallelism: the per-layer path
+    still paid about 60 us a layer in Python (module calls, `serves`, tensors for each block's output). Taken when
+    every layer is a `FusedDecodeLayer` whose plan serves the step; anything else keeps the per-layer calls."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        self.fused = [getattr(layer, "fused_decode", None) for layer in layers]
+        self.enabled = bool(self.fused) and all(f is not None for f in self.fused)
+        self._arrays: tuple | None = None  # the layers' blocks as C arrays, for the plans they were made of
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                 meta: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(output, residual) of the last layer, or None when the step takes the per-layer path."""
+        if not self.enabled or not self.fused[0].serves(x, meta):
+            return None
+        plans = [f._plan for f in self.fused]
+        if any(p is False or (p is not None and not p.current) for p in plans):  # the first decode, caches anew
+            plans = [f._plan if f.serves(x, meta) else None for f in self.fused]
+        if any(p is None or x.shape[0] > p.max_rows for p in plans):
+            return None
+        if self._arrays is None or any(a is not b for a, b in zip(self._arrays[0], plans, strict=True)):
+            self._arrays = self._describe(plans)
+            if self._arrays is None:
+                self.enabled = False
+                return None
+        _, attention, mlp, widest = self._arrays
+        step, scratch = _step(meta, self.fused[0].layer.self_attn, positions, x.shape[0], widest)
+        first = residual is None
+        if first:
+            residual = torch.empty_like(x)
+        hidden, out = torch.empty_like(x), torch.empty_like(x)
+        status = _library().decode_layers(_kernels(), attention, mlp, len(plans), step, x.data_ptr(),
+                                          residual.data_ptr(), int(first), scratch.data_ptr(), hidden.data_ptr(),
+                                          out.data_ptr())
+        if status:
+            raise MemoryError("decode layers could not allocate their scratch memory")
+        return out, residual
+
+    def _describe(self, plans: list[_Plan]) -> tuple | None:
+        """The plans' blocks as C arrays, or None when the layers need the per-layer path (tensor parallelism's
+        all-reduces between blocks, or layers that attend over different windows than the step describes)."""
+        layers = [f.layer for f in self.fused]
+        windows = {(layer.self_attn.attn.sliding_window, layer.self_attn.attn.chunk_size) for layer in layers}
+        if len(windows) > 1 or any(layer.self_attn.o_proj.pc.tp_size > 1 for layer in layers):
+            return None
+        attention = (_AttentionBlock * len(plans))(*(p.attention for p in plans))
+        mlp = (_MlpBlock * len(plans))(*(p.mlp for p in plans))
+        return plans, attention, mlp, max(plans, key=lambda p: _scratch_floats(p, 1))

@@ -15,6 +15,7 @@ from torch import nn
 
 from strata.config import HFConfig, ModelConfig
 from strata.distributed import IntermediateTensors, ParallelContext, pp_layer_range
+from strata.layers.decode_block import FusedDecodeStack
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
@@ -82,6 +83,7 @@ class CausalLM(nn.Module):
         self._place("lm_head", pc.is_last_stage, self._make_lm_head)
         if config.quant_config is not None:
             quantize_linears(self, config.quant_config, self.stacked_params, checkpoint_prefix)
+        self.decode_stack = FusedDecodeStack(list(self.get_submodule(names.layers)[self.start:self.end]))
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder layer `index` (global), called only for this stage's layers."""
@@ -104,8 +106,12 @@ class CausalLM(nn.Module):
         else:
             x, residual = intermediate.hidden_states, intermediate.residual
         context = self.layer_context(meta)
-        for layer in self.get_submodule(self.names.layers)[self.start:self.end]:
-            x, residual = layer(positions, x, residual, context)
+        stacked = self.decode_stack(positions, x, residual, context)  # a CPU decode step: all layers in one call
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            for layer in self.get_submodule(self.names.layers)[self.start:self.end]:
+                x, residual = layer(positions, x, residual, context)
         if not self.pc.is_last_stage:
             # A residual stream kept in float32 (Mamba2) travels in the activations' dtype.
             return IntermediateTensors(x, residual.to(x.dtype))

@@ -7,7 +7,7 @@ from checkpoints import make_llama
 
 from strata import LLM, SamplingParams
 from strata.layers import decode_block
-from strata.layers.decode_block import FusedDecodeLayer
+from strata.layers.decode_block import FusedDecodeLayer, FusedDecodeStack
 
 PROMPTS = [{"prompt_token_ids": list(range(3 + i, 9 + 3 * i))} for i in range(3)]
 
@@ -30,14 +30,23 @@ def _generate(llm: LLM, n: int) -> list:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_fused_decode_gives_the_modules_tokens_and_logprobs_exactly(llama_with_biases, monkeypatch, batch):
+@pytest.mark.parametrize("stacked", [True, False])
+def test_fused_decode_gives_the_modules_tokens_and_logprobs_exactly(llama_with_biases, monkeypatch, batch, stacked):
+    """Both fused paths: all layers in one call (the stack), and one call per block (its fallback)."""
     if decode_block._library() is None or decode_block._kernels() is None:
         pytest.skip("no C compiler")
     llm = LLM(str(llama_with_biases), device="cpu")
     try:
-        served = _spy(monkeypatch)
+        served, stack_steps, original = _spy(monkeypatch), [], FusedDecodeStack.__call__
+        if stacked:
+            monkeypatch.setattr(FusedDecodeStack, "__call__", lambda self, *args: stack_steps.append(
+                original(self, *args)) or stack_steps[-1])
+        else:
+            monkeypatch.setattr(FusedDecodeStack, "__call__", lambda self, *args: None)
         fused = _generate(llm, batch)
         assert served and all(served[len(served) // 2:])  # every layer of the decode steps took it
+        if stacked:  # the 11 decode steps (a prefill goes through the modules)
+            assert sum(s is not None for s in stack_steps) == 11
         monkeypatch.setattr(FusedDecodeLayer, "serves", lambda self, x, meta: False)
         plain = _generate(llm, batch)
     finally:

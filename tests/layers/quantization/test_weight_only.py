@@ -73,8 +73,8 @@ def test_pack_refuses_bad_bits_group_sizes_and_values():
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 64, 300])
-@pytest.mark.parametrize("bits,group_size,symmetric", [(4, 32, True), (4, 64, False), (4, 128, True),
-                                                       (4, -1, False), (8, 32, False), (8, 64, True),
+@pytest.mark.parametrize("bits,group_size,symmetric", [(4, 32, True), (4, 64, False), (4, 96, False),
+                                                       (4, 128, True), (4, -1, False), (8, 32, False), (8, 64, True),
                                                        (8, 128, False), (8, -1, True)])
 def test_weight_only_linear_matches_dequantize_then_matmul(m, bits, group_size, symmetric, threads):
     n, k = 75, 200  # neither a multiple of 64; K ends in a partial block and (for 64/128) a partial group
@@ -197,8 +197,8 @@ def test_small_batch_kernel_is_far_more_exact_than_float16_activations(bits, gro
     q, scales, _ = _random_weight(n, k, bits, group_size, True)
     w = pack_weight(q, scales, None, bits, group_size)
     weight = dequantize(w).double()
-    for outliers in (False, True):
-        x = torch.randn(4, k, generator=g)
+    for outliers, m in [(False, 1), (True, 1), (False, 4), (True, 4)]:  # one row: AVX2's int4 kernel rounds x
+        x = torch.randn(m, k, generator=g)
         if outliers:
             x[:, ::97] *= 30
         reference = x.double() @ weight.T
@@ -213,8 +213,23 @@ def test_small_batch_kernel_passes_nan_and_infinity_through(bits):
     w = pack_weight(q, scales, None, bits, 128)
     x = torch.randn(2, 256)
     x[0, 5], x[1, 200] = float("nan"), float("inf")
-    y = weight_only_linear(x, w)
-    assert not torch.isfinite(y).any()
+    assert not torch.isfinite(weight_only_linear(x, w)).any()
+    for row in x:  # one row at a time: AVX2's int4 kernel rounds x to fixed point
+        assert not torch.isfinite(weight_only_linear(row[None], w)).any()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_small_batch_kernel_keeps_tiny_and_huge_activations_exact(bits):
+    """x rounded to fixed point per block keeps its relative precision at magnitudes far from 1."""
+    q, scales, _ = _random_weight(16, 256, bits, 128, True)
+    w = pack_weight(q, scales, None, bits, 128)
+    weight = dequantize(w).double()
+    for magnitude in (1e-30, 1e30):
+        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0)) * magnitude
+        x[0, :128] *= 1e-3  # two x blocks, far apart
+        reference = x.double() @ weight.T
+        error = (weight_only_linear(x, w).double() - reference).abs().max() / reference.abs().max()
+        assert error < 1e-5, (magnitude, error.item())
 
 
 def _random_fp8(n: int, k: int, seed: int) -> torch.Tensor:
