@@ -119,11 +119,12 @@ int mlp_block(const kernels_t *kn, const mlp_block_t *b, const decode_step_t *st
 }
 
 /* Layers [0, n) of a stage, one after the other: x (or, when not first, x + residual) through each layer's
-   attention and MLP blocks; the last layer's MLP output lands in out, the residual stream in residual. hidden_out
-   is [T, hidden] for the attention blocks' outputs. Returns 0, or the failing kernel's status. */
+   attention and MLP blocks, into out and residual; on the last stage (final_norm given) hidden_out then holds the
+   final norm of out + residual. hidden_out is [T, hidden], the attention blocks' outputs until then. Returns 0, or
+   the failing kernel's status. */
 int decode_layers(const kernels_t *kn, const attention_block_t *attention, const mlp_block_t *mlp, int64_t n,
                   const decode_step_t *step, const float *x, float *residual, int first, float *scratch,
-                  float *hidden_out, float *out) {
+                  float *hidden_out, float *out, const float *final_norm, float final_eps) {
     for (int64_t i = 0; i < n; i++) {
         int status = attention_block(kn, attention + i, step, i == 0 ? x : out, residual, first && i == 0, scratch,
                                      hidden_out);
@@ -131,5 +132,7 @@ int decode_layers(const kernels_t *kn, const attention_block_t *attention, const
         status = mlp_block(kn, mlp + i, step, hidden_out, residual, scratch, out);
         if (status) return status;
     }
+    if (final_norm)
+        kn->rms_norm(out, residual, final_norm, hidden_out, residual, step->tokens, mlp[n - 1].hidden, final_eps, 0);
     return 0;
 }

@@ -17,6 +17,7 @@ from strata import native
 from strata.layers import activation, cpu_attention, norm, onednn_weights, rotary
 from strata.layers.attention import AttentionMetadata
 from strata.layers.linear import SMALL_BATCH_DENSE, PackableLinear, small_batch_rows
+from strata.layers.norm import RMSNorm
 from strata.layers.quantization import cpu_matmul
 from strata.layers.quantization import weight_only as weight_only_module
 from strata.native import PTR
@@ -57,7 +58,7 @@ def _library() -> ctypes.CDLL | None:
         "attention_block": (blocks + [ctypes.c_int, PTR, PTR], ctypes.c_int),
         "mlp_block": (blocks + [PTR, PTR], ctypes.c_int),
         "decode_layers": ([ctypes.POINTER(_Kernels), PTR, PTR, I64, ctypes.POINTER(_Step), PTR, PTR, ctypes.c_int,
-                           PTR, PTR, PTR], ctypes.c_int)})
+                           PTR, PTR, PTR, PTR, ctypes.c_float], ctypes.c_int)})
 
 
 @functools.cache
@@ -235,18 +236,22 @@ def _scratch_floats(plan: _Plan, tokens: int) -> int:
 
 
 class FusedDecodeStack:
-    """A stage's decoder layers in one C call for a decode step without tensor parallelism: the per-layer path
-    still paid about 60 us a layer in Python (module calls, `serves`, tensors for each block's output). Taken when
-    every layer is a `FusedDecodeLayer` whose plan serves the step; anything else keeps the per-layer calls."""
+    """A stage's decoder layers (and on the last stage the final norm) in one C call for a decode step without
+    tensor parallelism: the per-layer path still paid about 60 us a layer in Python (module calls, `serves`, tensors
+    for each block's output), more after the layers' weights streamed through the caches and left Python's code
+    cold. Taken when every layer is a `FusedDecodeLayer` whose plan serves the step; anything else keeps the
+    per-layer calls."""
 
-    def __init__(self, layers: list[torch.nn.Module]) -> None:
+    def __init__(self, layers: list[torch.nn.Module], final_norm: torch.nn.Module | None) -> None:
+        self.final_norm = final_norm
         self.fused = [getattr(layer, "fused_decode", None) for layer in layers]
         self.enabled = bool(self.fused) and all(f is not None for f in self.fused)
         self._arrays: tuple | None = None  # the layers' blocks as C arrays, for the plans they were made of
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                  meta: object) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(output, residual) of the last layer, or None when the step takes the per-layer path."""
+        """(output, residual) of the last layer, its output through the final norm when there is one (the residual
+        then spent), or None when the step takes the per-layer path."""
         if not self.enabled or not self.fused[0].serves(x, meta):
             return None
         plans = [f._plan for f in self.fused]
@@ -265,12 +270,14 @@ class FusedDecodeStack:
         if first:
             residual = torch.empty_like(x)
         hidden, out = torch.empty_like(x), torch.empty_like(x)
+        norm = self.final_norm
         status = _library().decode_layers(_kernels(), attention, mlp, len(plans), step, x.data_ptr(),
                                           residual.data_ptr(), int(first), scratch.data_ptr(), hidden.data_ptr(),
-                                          out.data_ptr())
+                                          out.data_ptr(), None if norm is None else norm.weight.data_ptr(),
+                                          0.0 if norm is None else norm.eps)
         if status:
             raise MemoryError("decode layers could not allocate their scratch memory")
-        return out, residual
+        return (out, residual) if norm is None else (hidden, residual)
 
     def _describe(self, plans: list[_Plan]) -> tuple | None:
         """The plans' blocks as C arrays, or None when the layers need the per-layer path (tensor parallelism's
@@ -278,6 +285,9 @@ class FusedDecodeStack:
         layers = [f.layer for f in self.fused]
         windows = {(layer.self_attn.attn.sliding_window, layer.self_attn.attn.chunk_size) for layer in layers}
         if len(windows) > 1 or any(layer.self_attn.o_proj.pc.tp_size > 1 for layer in layers):
+            return None
+        norm = self.final_norm
+        if norm is not None and (norm.weight.dtype != torch.float32 or type(norm).forward is not RMSNorm.forward):
             return None
         attention = (_AttentionBlock * len(plans))(*(p.attention for p in plans))
         mlp = (_MlpBlock * len(plans))(*(p.mlp for p in plans))

@@ -83,7 +83,8 @@ class CausalLM(nn.Module):
         self._place("lm_head", pc.is_last_stage, self._make_lm_head)
         if config.quant_config is not None:
             quantize_linears(self, config.quant_config, self.stacked_params, checkpoint_prefix)
-        self.decode_stack = FusedDecodeStack(list(self.get_submodule(names.layers)[self.start:self.end]))
+        self.decode_stack = FusedDecodeStack(list(self.get_submodule(names.layers)[self.start:self.end]),
+                                             self._final_norm())
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder layer `index` (global), called only for this stage's layers."""
@@ -92,6 +93,12 @@ class CausalLM(nn.Module):
     def layer_context(self, meta: ForwardMeta) -> Any:
         """What every layer needs of the runner's ForwardMeta, computed once per forward."""
         return meta.attn
+
+    def _final_norm(self) -> nn.Module | None:
+        """The final norm, when `finish` is exactly that norm of x + residual (the decode stack applies it)."""
+        if not self.pc.is_last_stage or type(self).finish is not CausalLM.finish:
+            return None
+        return self.get_submodule(self.names.norm)
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output and residual stream -> final hidden states."""
@@ -106,12 +113,12 @@ class CausalLM(nn.Module):
         else:
             x, residual = intermediate.hidden_states, intermediate.residual
         context = self.layer_context(meta)
-        stacked = self.decode_stack(positions, x, residual, context)  # a CPU decode step: all layers in one call
-        if stacked is not None:
+        stacked = self.decode_stack(positions, x, residual, context)
+        if stacked is not None:  # a CPU decode step: every layer, and the last stage's final norm, in one call
             x, residual = stacked
-        else:
-            for layer in self.get_submodule(self.names.layers)[self.start:self.end]:
-                x, residual = layer(positions, x, residual, context)
+            return x if self.pc.is_last_stage else IntermediateTensors(x, residual)
+        for layer in self.get_submodule(self.names.layers)[self.start:self.end]:
+            x, residual = layer(positions, x, residual, context)
         if not self.pc.is_last_stage:
             # A residual stream kept in float32 (Mamba2) travels in the activations' dtype.
             return IntermediateTensors(x, residual.to(x.dtype))
