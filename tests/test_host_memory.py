@@ -41,5 +41,7 @@ def test_freed_host_tensors_are_reused_instead_of_faulted_in_again():
     # Once in CI one 48 MiB tensor of the second round was faulted in afresh (12,296 faults), most likely placed
     # above a small allocation another thread (torch's OpenMP workers) made at the heap's top in between; the
     # setting itself holds when any of three fresh processes shows it.
-    keep = [faults_of_second_round("keep") for _ in range(3)]
+    keep = []
+    while len(keep) < 3 and (not keep or keep[-1] >= 500):
+        keep.append(faults_of_second_round("keep"))
     assert min(keep) < 500, keep

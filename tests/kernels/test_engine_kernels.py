@@ -19,7 +19,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)",
                 allow_module_level=True)
 
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+MAX_TOKENS = 4  # each step is slow in the interpreter
 
 
 def prompts(lengths: tuple[int, ...], vocab: int, seed: int = 0) -> list[dict]:
@@ -27,11 +27,13 @@ def prompts(lengths: tuple[int, ...], vocab: int, seed: int = 0) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(3, vocab, (n,), generator=gen).tolist()} for n in lengths]
 
 
-def tokens(path, requests: list, *, chat: bool = False, **engine_args) -> tuple[list[list[int]], LLM]:
+def tokens(path, requests: list, *, chat: bool = False, max_tokens: int = MAX_TOKENS,
+           **engine_args) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=engine_args.pop("max_model_len", 256),
               **engine_args)
     run = llm.chat if chat else llm.generate
-    return [o.outputs[0].token_ids for o in run(requests, GREEDY, use_tqdm=False)], llm
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in run(requests, greedy, use_tqdm=False)], llm
 
 
 def assert_same_tokens(path, requests: list, *, chat: bool = False, **engine_args) -> LLM:
@@ -75,7 +77,7 @@ def test_llama_preemption_recomputes_the_same_tokens(llama):
     # 2 layers x 2 KV heads x 16 dims x 16 tokens x 2 (K, V) x 4 bytes = 8 KiB a block: 6 blocks admit all three
     # prompts (two blocks each), and the first to need a third block preempts another.
     llm = assert_same_tokens(llama, prompts((28, 29, 30), 300, seed=1), kv_cache_memory=6 * 8192,
-                             enable_prefix_caching=False, max_model_len=64)
+                             enable_prefix_caching=False, max_model_len=64, max_tokens=6)
     assert llm.engine.scheduler.num_preemptions > 0
 
 
@@ -102,7 +104,7 @@ def test_plamo2_preemption_recomputes_state_and_cache(plamo2):
     # 8 KiB a block (as for Llama above), beside one state slot per sequence.
     state = StepRunner(plamo2, max_num_seqs=256).runner.state_bytes()
     llm = assert_same_tokens(plamo2, prompts((28, 29, 30), 260, seed=6), kv_cache_memory=state + 6 * 8192,
-                             max_model_len=64, max_num_batched_tokens=32)
+                             max_model_len=64, max_num_batched_tokens=32, max_tokens=6)
     assert llm.engine.scheduler.num_preemptions > 0
 
 

@@ -9,7 +9,7 @@ from strata.engine.async_engine import AsyncEngine
 from strata.server.app import build_app
 
 API_KEY = "fuzz-key"
-CASES_PER_ROUTE = 250  # routes without parameters take one case; the 5 POST routes give > 1,000
+CASES_PER_ROUTE = 120  # routes without parameters take one case; the 5 POST routes give > 500
 
 
 @pytest.fixture(scope="module")
@@ -49,4 +49,4 @@ def test_generated_requests_get_no_server_error_and_schema_valid_answers(app):
             calls.append(response.status_code)
 
         run()
-    assert len(calls) >= 1000
+    assert len(calls) >= 500

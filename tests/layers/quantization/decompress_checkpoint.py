@@ -1,7 +1,8 @@
 """Decompress a compressed-tensors checkpoint with the library's own compressors into a dense one that transformers
 loads as it is (run in llm-compressor's environment, by subprocess): the oracle's weights, independent of strata.
 
-usage: python decompress_checkpoint.py QUANTIZED_FOLDER DENSE_FOLDER
+usage: python decompress_checkpoint.py QUANTIZED_FOLDER DENSE_FOLDER [QUANTIZED_FOLDER DENSE_FOLDER ...]
+(several pairs in one process: importing the libraries takes longer than decompressing a test checkpoint)
 Per-expert Llama 4 tensors (`experts.{e}.gate_proj.weight`, ...) are fused back into transformers' expert
 layout (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]).
 """
@@ -47,7 +48,14 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    src, dst = map(Path, sys.argv[1:])
+    folders = list(map(Path, sys.argv[1:]))
+    if not folders or len(folders) % 2:
+        raise SystemExit(__doc__)
+    for src, dst in zip(folders[::2], folders[1::2], strict=True):
+        decompress_folder(src, dst)
+
+
+def decompress_folder(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst)
     config = json.loads((src / "config.json").read_text())
     quant = QuantizationConfig.model_validate(config.pop("quantization_config"))

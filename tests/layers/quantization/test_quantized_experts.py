@@ -55,11 +55,9 @@ def moe_compressed(moe_base) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def moe_oracle(moe_compressed) -> dict[str, dict]:
-    dense = {}
-    for scheme, path in moe_compressed.items():
-        dense[scheme] = path.parent / f"{scheme}-dense"
-        subprocess.run([llmc_python(), str(HERE / "decompress_checkpoint.py"), str(path), str(dense[scheme])],
-                       check=True, capture_output=True)
+    dense = {scheme: path.parent / f"{scheme}-dense" for scheme, path in moe_compressed.items()}
+    pairs = [str(p) for scheme, path in moe_compressed.items() for p in (path, dense[scheme])]
+    subprocess.run([llmc_python(), str(HERE / "decompress_checkpoint.py"), *pairs], check=True, capture_output=True)
     out = next(iter(dense.values())).parent / "oracle.pt"
     subprocess.run([llmc_python(), str(HERE / "transformers_oracle.py"), json.dumps(PROMPTS), str(MAX_TOKENS), str(out),
                     *map(str, dense.values())], check=True, capture_output=True)
