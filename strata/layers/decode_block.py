@@ -287,7 +287,7 @@ class FusedDecodeStack:
         if len(windows) > 1 or any(layer.self_attn.o_proj.pc.tp_size > 1 for layer in layers):
             return None
         norm = self.final_norm
-        if norm is not None and (norm.weight.dtype != torch.float32 or type(norm).forward is not RMSNorm.forward):
+        if norm is not None and (type(norm).forward is not RMSNorm.forward or norm.weight.dtype != torch.float32):
             return None
         attention = (_AttentionBlock * len(plans))(*(p.attention for p in plans))
         mlp = (_MlpBlock * len(plans))(*(p.mlp for p in plans))

@@ -113,12 +113,14 @@ class CausalLM(nn.Module):
         else:
             x, residual = intermediate.hidden_states, intermediate.residual
         context = self.layer_context(meta)
-        stacked = self.decode_stack(positions, x, residual, context)
-        if stacked is not None:  # a CPU decode step: every layer, and the last stage's final norm, in one call
+        stacked = self.decode_stack(positions, x, residual, context)  # a CPU decode step: every layer in one call
+        if stacked is None:
+            for layer in self.get_submodule(self.names.layers)[self.start:self.end]:
+                x, residual = layer(positions, x, residual, context)
+        elif self.decode_stack.final_norm is not None:  # the call applied the final norm too
+            return stacked[0]
+        else:
             x, residual = stacked
-            return x if self.pc.is_last_stage else IntermediateTensors(x, residual)
-        for layer in self.get_submodule(self.names.layers)[self.start:self.end]:
-            x, residual = layer(positions, x, residual, context)
         if not self.pc.is_last_stage:
             # A residual stream kept in float32 (Mamba2) travels in the activations' dtype.
             return IntermediateTensors(x, residual.to(x.dtype))
