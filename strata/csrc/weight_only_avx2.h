@@ -61,20 +61,25 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* One 128-value block of x (zero past K: `row` is padded) rounded into p; the rounded values summed per
-   32-value block join their group's xsum (in double: it meets the zero points' large factor). */
-static void int4_round_block(const float *row, int64_t k0, int64_t k1, int64_t b, float lift, int4_x_t *p,
-                             double *sums) {
-    __m256 amax = _mm256_setzero_ps(), finite = _mm256_setzero_ps(); /* x * 0: NaN where x is not finite */
+/* The largest magnitude of x[k0, k1), or NaN when one of its values is not finite (x * 0 is NaN there). */
+static float int4_block_extent(const float *row, int64_t k0, int64_t k1) {
+    __m256 amax = _mm256_setzero_ps(), finite = _mm256_setzero_ps();
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t i = k0; i < k1; i += 8) {
         const __m256 values = _mm256_loadu_ps(row + i);
         amax = _mm256_max_ps(amax, _mm256_and_ps(values, magnitude));
         finite = _mm256_add_ps(finite, _mm256_mul_ps(values, _mm256_setzero_ps()));
     }
-    /* a NaN or infinity in x makes the block's scale NaN, so the outputs it reaches are NaN, as in float */
-    const float largest = hmax(amax) * lift;
-    const float scale = largest / I4_LIMIT + hsum(finite);
+    return hmax(amax) + hsum(finite);
+}
+
+/* One 128-value block of x (zero past K: `row` is padded) rounded into p, its extent (largest magnitude) times
+   `lift` setting the scale; a NaN extent makes the scale NaN, so the outputs it reaches are NaN, as in float. The
+   rounded values summed per 32-value block join their group's xsum (in double: it meets the zero points' large
+   factor). */
+static void int4_round_block(const float *row, int64_t k0, int64_t k1, int64_t b, float extent, float lift,
+                             int4_x_t *p, double *sums) {
+    const float largest = extent * lift, scale = largest / I4_LIMIT;
     const __m256 inverse = _mm256_set1_ps(largest > 0.f ? I4_LIMIT / largest : 0.f);
     const __m256 lifted = _mm256_set1_ps(lift);
     p->scale[b] = scale;
@@ -93,6 +98,10 @@ static void int4_round_block(const float *row, int64_t k0, int64_t k1, int64_t b
         }
         sums[p->group_of[i / BLOCK]] += (double)scale * hsum_epi32(block_sum);
     }
+}
+
+static inline int64_t int4_block_end(int64_t b, int64_t stride) {
+    return (b + 1) * I4_XBLOCK < stride ? (b + 1) * I4_XBLOCK : stride;
 }
 
 /* Round one row of x to the prepared form; returns -1 when memory ran out. One buffer holds it all. */
@@ -119,14 +128,14 @@ static int int4_prepare_x(const weights_t *w, const float *x, int4_x_t *p) {
         p->group_of[b] = (int32_t)(g < w->groups ? g : w->groups - 1); /* a block past K: its products are 0 */
     }
     for (int d = 0; d < I4_DIGITS; d++) p->digits[d] = (int8_t *)(f + floats) + d * stride;
-    __m256 amax = _mm256_setzero_ps();
-    for (int64_t i = 0; i < padded; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f),
-                                                                                        _mm256_loadu_ps(row + i)));
-    p->lift = hmax(amax) < 0x1p-60f ? 0x1p64f : 1.f;
+    float row_max = 0.f; /* the blocks' extents wait in p->scale until the lift is known */
     for (int64_t b = 0; b < xblocks; b++) {
-        const int64_t k0 = b * I4_XBLOCK, k1 = k0 + I4_XBLOCK < stride ? k0 + I4_XBLOCK : stride;
-        int4_round_block(row, k0, k1, b, p->lift, p, sums);
+        p->scale[b] = int4_block_extent(row, b * I4_XBLOCK, int4_block_end(b, stride));
+        row_max = p->scale[b] > row_max ? p->scale[b] : row_max;
     }
+    p->lift = row_max < 0x1p-60f ? 0x1p64f : 1.f;
+    for (int64_t b = 0; b < xblocks; b++)
+        int4_round_block(row, b * I4_XBLOCK, int4_block_end(b, stride), b, p->scale[b], p->lift, p, sums);
     for (int64_t g = 0; g < w->groups; g++) p->xsum[g] = (float)sums[g];
     free(sums);
     return 0;

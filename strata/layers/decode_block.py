@@ -147,7 +147,7 @@ class FusedDecodeLayer:
         k_cache = self.layer.self_attn.attn.k_cache
         if k_cache is None:
             return False
-        if self._plan is False or (self._plan is not None and self._plan.k_cache is not k_cache):
+        if self._plan is False or (self._plan is not None and not self._plan.current):
             self._plan = self._describe()  # the first decode, or a cache bound anew
         return self._plan is not None and x.shape[0] <= self._plan.max_rows
 

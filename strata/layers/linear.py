@@ -37,7 +37,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu":
         return F.linear(x, weight.to(x.dtype), bias)
     widened = _widened(weight)
-    if 0 < rows <= (SMALL_BATCH_PLAIN if widened else SMALL_BATCH_DENSE):
+    if 0 < rows <= _small_batch_limit(widened):
         kind = cpu_matmul.dense_kind(weight)
         if kind is not None and cpu_matmul.available():
             flat = x.reshape(rows, x.shape[-1]).to(torch.float32).contiguous()
@@ -57,7 +57,11 @@ def _widened(weight: torch.Tensor) -> bool:
 
 def small_batch_rows(weight: torch.Tensor) -> int:
     """Rows up to which a plain (not oneDNN-packed) weight goes through the small-batch C kernel."""
-    return SMALL_BATCH_PLAIN if _widened(weight) else SMALL_BATCH_DENSE
+    return _small_batch_limit(_widened(weight))
+
+
+def _small_batch_limit(widened: bool) -> int:
+    return SMALL_BATCH_PLAIN if widened else SMALL_BATCH_DENSE
 
 
 def pack_linear_weights(model: nn.Module) -> None:
