@@ -1,5 +1,5 @@
 /* Small-batch linear products read straight from float32, bfloat16, FP8 (e4m3), int8 or int4 weights (strata's
-   packed layout, strata/layers/quantization/weight_only.py), and the dequantization the large-batch path uses.
+   packed layout, strata/layers/quantization/weight_only.py); weight_gemm.c has the GEMM of larger batches.
    Built on first use by strata/native.py; AVX-512 VNNI (weight_only_vnni.h), AVX-512 (weight_only_avx512.h) or
    AVX2/FMA when the machine has it, plain C otherwise. */
 #include <math.h>
@@ -7,65 +7,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
 #include "prefetch.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(STRATA_PORTABLE)
-#include <immintrin.h>
-#define USE_AVX2 1
-#else
-#define USE_AVX2 0
-#endif
+#include "weight_values.h"
 #if USE_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(STRATA_NO_AVX512)
 #define USE_AVX512 1
 #else
 #define USE_AVX512 0
 #endif
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8, KIND_FP8 = 9 };
-
-/* Kinds with a scale per group (FP8: per output channel, no zero point). */
-static inline int scaled(int kind) { return kind == KIND_INT4 || kind == KIND_INT8 || kind == KIND_FP8; }
-
-/* float8 e4m3 (bias 7, no infinities; the loader refuses its NaN codes) as float32: its 7 bits under float32's
-   exponent and mantissa, times 2^120 to move the bias from 127 to 7 (exact for subnormals too). */
-static inline float fp8_to_f32(uint8_t b) {
-    const uint32_t bits = ((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7f) << 20);
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f * 0x1p120f;
-}
-#define BLOCK 32
 #define ROWS_PER_TASK 16
 #define MAX_MC 4 /* rows of x multiplied per pass over a weight row */
-
-/* One weight matrix: rows of `row_bytes`; quantized kinds carry scales (and zero points, or NULL for the
-   symmetric 2^(bits-1)) per group of `group_size` values of K. Dense kinds have one group and no scales. */
-typedef struct {
-    const uint8_t *data;
-    int64_t row_bytes, n, k, groups, group_size;
-    const float *scales, *zeros;
-    int kind;
-} weights_t;
-
-static inline float load_value(const weights_t *w, const uint8_t *row, int64_t k) {
-    switch (w->kind) {
-    case KIND_F32: return ((const float *)row)[k];
-    case KIND_BF16: return bf16_to_f32(((const uint16_t *)row)[k]);
-    case KIND_INT8: return (float)row[k];
-    case KIND_FP8: return fp8_to_f32(row[k]);
-    default: {
-        const uint8_t byte = row[k / BLOCK * (BLOCK / 2) + k % (BLOCK / 2)];
-        return (float)(k % BLOCK < BLOCK / 2 ? byte & 15 : byte >> 4);
-    }
-    }
-}
-
-static inline float zero_point(const weights_t *w, int64_t n, int64_t g) {
-    if (w->kind == KIND_FP8) return 0.f;
-    if (w->zeros) return w->zeros[n * w->groups + g];
-    return w->kind == KIND_INT4 ? 8.f : 128.f;
-}
 
 #if USE_AVX2
 static inline float hsum(__m256 v) {
@@ -96,43 +47,6 @@ static inline float zero_term(const weights_t *w, int64_t n, const float *xsum) 
 }
 
 #if USE_AVX2
-/* The 32 values of block b of a row, as four registers of 8 floats (quantized kinds: the raw unsigned q). */
-static inline void load_block(int kind, const uint8_t *row, int64_t b, __m256 v[4]) {
-    if (kind == KIND_F32) {
-        const float *p = (const float *)row + b * BLOCK;
-        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(p + 8 * j);
-    } else if (kind == KIND_BF16) {
-        const uint16_t *p = (const uint16_t *)row + b * BLOCK;
-        for (int j = 0; j < 4; j++) {
-            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
-            v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-        }
-    } else if (kind == KIND_FP8) { /* sign and 7 bits moved under float32's exponent, then rebiased */
-        const uint8_t *p = row + b * BLOCK;
-        const __m256i sign = _mm256_set1_epi32(0x80), rest = _mm256_set1_epi32(0x7f);
-        const __m256 rebias = _mm256_set1_ps(0x1p120f);
-        for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * j)));
-            const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(q, sign), 24),
-                                                 _mm256_slli_epi32(_mm256_and_si256(q, rest), 20));
-            v[j] = _mm256_mul_ps(_mm256_castsi256_ps(bits), rebias);
-        }
-    } else if (kind == KIND_INT8) { /* widened straight from memory: no shuffles between the loads */
-        const uint8_t *p = row + b * BLOCK;
-        for (int j = 0; j < 4; j++)
-            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * j))));
-    } else { /* bytes 0-7 hold values 0-7 and 16-23, bytes 8-15 values 8-15 and 24-31 */
-        const uint8_t *p = row + b * (BLOCK / 2);
-        const __m256i nibble = _mm256_set1_epi32(15);
-        const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-        const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, nibble));
-        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, nibble));
-        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
-        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
-    }
-}
-
 /* Full blocks of row n against MC rows of x: y[m] = sum over blocks of scale * (q . x) minus the zero-point
    term sum over groups of scale * zero * xsum (x summed per group over the full blocks). Each block's four
    products form one independent chain, scaled into one of two running totals. */
@@ -358,33 +272,4 @@ int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *w
     }
     free(xsum);
     return 0;
-}
-
-/* out[n, k] = the float32 weight of a packed int4 / int8 or FP8 matrix (for large batches, which then run a GEMM). */
-void weight_only_dequantize(const void *weight, int64_t row_bytes, int kind, const float *scales,
-                            const float *zeros, int64_t groups, int64_t group_size, int64_t n, int64_t k,
-                            float *out, int num_threads) {
-    const weights_t w = {weight, row_bytes, n, k, groups, group_size, scales, zeros, kind};
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *row = w.data + r * row_bytes;
-        float *dst = out + r * k;
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t lo = g * group_size, hi = lo + group_size < k ? lo + group_size : k;
-            const float scale = scales[r * groups + g], zero = zero_point(&w, r, g);
-            int64_t i = lo;
-#if USE_AVX2
-            const __m256 vscale = _mm256_set1_ps(scale), vzero = _mm256_set1_ps(zero);
-            for (; i + BLOCK <= hi; i += BLOCK) {
-                __m256 v[4];
-                if (kind == KIND_INT4) load_block(KIND_INT4, row, i / BLOCK, v);
-                else if (kind == KIND_FP8) load_block(KIND_FP8, row, i / BLOCK, v);
-                else load_block(KIND_INT8, row, i / BLOCK, v);
-                for (int j = 0; j < 4; j++)
-                    _mm256_storeu_ps(dst + i + 8 * j, _mm256_mul_ps(_mm256_sub_ps(v[j], vzero), vscale));
-            }
-#endif
-            for (; i < hi; i++) dst[i] = (load_value(&w, row, i) - zero) * scale;
-        }
-    }
 }

@@ -18,15 +18,16 @@ from strata.layers.quantization import cpu_matmul
 
 # Rows up to which the C kernels beat oneDNN's GEMM on oneDNN-packed float32 / bfloat16 weights (2 Zen 4 cores).
 SMALL_BATCH_DENSE = 3
-# Rows up to which the C kernel beats widening tiles of a plain bfloat16 weight for oneDNN's float32 GEMM (2 Zen 3
-# cores, a 16-layer step's worth of 1024-wide weights: 41 against 53 ms at 32 rows, even at 64).
-SMALL_BATCH_PLAIN = 32
+# Rows up to which the small-batch kernel beats the GEMM on a plain bfloat16 weight (2 Zen 3 cores, [1024 -> 5632]:
+# 2.3 against 3.4 ms at 8 rows, even at 16, 6.8 against 5.7 at 24).
+SMALL_BATCH_PLAIN = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) in x's dtype. On CPU a few rows run a C kernel (on the packed weight, or a plain
     one such as a tied LM head's table or a bfloat16 weight), more rows oneDNN's GEMM (a plain bfloat16 weight
-    through float32 tiles where the CPU has no native bfloat16 arithmetic); elsewhere F.linear."""
+    where the CPU has no native bfloat16 arithmetic: strata's GEMM, which widens it in cache); elsewhere
+    F.linear."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if weight.is_mkldnn:
         if 0 < rows <= SMALL_BATCH_DENSE and weight.blocked_layout is not None:

@@ -72,14 +72,11 @@ def test_a_layout_of_the_right_size_is_taken_only_if_it_reproduces_onednn(monkey
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, SMALL_BATCH_PLAIN, SMALL_BATCH_PLAIN + 1, 70])
-def test_a_plain_bfloat16_weight_without_native_bfloat16_takes_the_kernel_or_float32_tiles(x_dtype, rows,
-                                                                                          monkeypatch):
+def test_a_plain_bfloat16_weight_without_native_bfloat16_takes_the_kernel_or_the_gemm(x_dtype, rows, monkeypatch):
     if not cpu_matmul.available():
         pytest.skip("no C compiler")
-    monkeypatch.setattr(onednn_weights, "can_pack", lambda w: w.dtype == torch.float32)  # as on such a CPU
-    monkeypatch.setattr(linear_module, "can_pack", onednn_weights.can_pack)
-    monkeypatch.setattr(cpu_matmul, "TILE_BYTES", 4 * 100 * 16)  # 16 rows a tile: 5 tiles, the last short
-    kernel, tiles = _spy(monkeypatch, cpu_matmul, "matmul"), _spy(monkeypatch, cpu_matmul, "widened_linear")
+    _as_without_native_bfloat16(monkeypatch)
+    kernel, gemm = _spy(monkeypatch, cpu_matmul, "matmul"), _spy(monkeypatch, cpu_matmul, "widened_linear")
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(77, 100, generator=g) * 0.1).bfloat16()
     b = torch.randn(77, generator=g).bfloat16()
@@ -89,4 +86,27 @@ def test_a_plain_bfloat16_weight_without_native_bfloat16_takes_the_kernel_or_flo
     want = F.linear(x.double(), w.double(), b.double())
     tol = 1e-5 if x_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
-    assert (bool(kernel), bool(tiles)) == (rows <= SMALL_BATCH_PLAIN, rows > SMALL_BATCH_PLAIN)
+    assert (bool(kernel), bool(gemm)) == (rows <= SMALL_BATCH_PLAIN, rows > SMALL_BATCH_PLAIN)
+
+
+
+def _as_without_native_bfloat16(monkeypatch) -> None:
+    monkeypatch.setattr(onednn_weights, "can_pack", lambda w: w.dtype == torch.float32)
+    monkeypatch.setattr(linear_module, "can_pack", onednn_weights.can_pack)
+
+
+def test_a_plain_bfloat16_weight_without_native_bfloat16_still_runs_without_the_kernels(monkeypatch):
+    _as_without_native_bfloat16(monkeypatch)
+    monkeypatch.setattr(cpu_matmul, "_gemm_library", lambda: None)
+    w = torch.randn(30, 40).bfloat16()
+    x = torch.randn(SMALL_BATCH_PLAIN + 3, 40)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gemm_reads_a_bfloat16_weight_whose_rows_are_not_contiguous(monkeypatch):
+    if not cpu_matmul.available():
+        pytest.skip("no C compiler")
+    _as_without_native_bfloat16(monkeypatch)
+    w = torch.randn(40, 30).bfloat16().T  # a transposed view
+    x = torch.randn(SMALL_BATCH_PLAIN + 3, 40)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)

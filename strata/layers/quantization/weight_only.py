@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from strata.layers.quantization import cpu_matmul
 
 BLOCK = 32
-# Rows up to which the C kernel beats dequantizing tiles for oneDNN's GEMM (about even at 16 on a Zen 4 core).
+# Rows up to which the small-batch kernel beats the GEMM (2 Zen 3 cores, [1024 -> 5632] int4: 2.3 against 3.5 ms at
+# 8 rows, even at 16, 6.6 against 5.3 at 24).
 SMALL_BATCH = 16
 
 
@@ -141,23 +142,10 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     return (unpack(w).to(torch.float32) - zeros) * scales
 
 
-def _dequantize_gemm(rows: torch.Tensor, w: QuantizedWeight, kind: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """Large batches: a tile of output rows at a time is dequantized into a cache-sized float32 buffer and
-    multiplied there, so the float32 weight of a large layer is never whole in memory and the GEMM reads it
-    from cache."""
-    zeros = w.zeros
-
-    def fill(tile: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
-        return cpu_matmul.dequantize(w.packed[n0:n1], kind, w.in_features, w.scales[n0:n1],
-                                     None if zeros is None else zeros[n0:n1], w.effective_group_size, tile)
-
-    return cpu_matmul.tiled_gemm(rows, w.out_features, fill, bias)
-
-
 def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (float32 or bfloat16) times the weight: [..., N] in x's dtype. On CPU, up to
-    SMALL_BATCH rows run the C kernel (weights read once, dequantized in registers); more rows dequantize a
-    cache-sized tile of the weight at a time for oneDNN's GEMM. Elsewhere (CUDA, or no C compiler, which
+    SMALL_BATCH rows run the small-batch C kernel (weights read once, dequantized in registers), more rows the C
+    GEMM (the weight dequantized a cache-sized panel at a time). Elsewhere (CUDA, or no C compiler, which
     native.py warns about) the plain-torch dequantize-then-matmul runs."""
     if x.shape[-1] != w.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {w.in_features}")
@@ -165,8 +153,7 @@ def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor |
     kind = w.kernel_kind
     if x.device.type != "cpu" or not cpu_matmul.available():
         y = F.linear(rows, dequantize(w), None if bias is None else bias.to(torch.float32))
-    elif rows.shape[0] <= SMALL_BATCH:
-        y = cpu_matmul.matmul(rows, w.packed, kind, w.out_features, w.scales, w.zeros, w.effective_group_size, bias)
     else:
-        y = _dequantize_gemm(rows, w, kind, None if bias is None else bias.to(torch.float32))
+        product = cpu_matmul.matmul if rows.shape[0] <= SMALL_BATCH else cpu_matmul.narrow_gemm
+        y = product(rows, w.packed, kind, w.out_features, w.scales, w.zeros, w.effective_group_size, bias)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)

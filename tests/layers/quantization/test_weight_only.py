@@ -11,7 +11,14 @@ import torch
 
 from strata import native
 from strata.layers.quantization import cpu_matmul
-from strata.layers.quantization.weight_only import dequantize, pack_fp8, pack_weight, unpack, weight_only_linear
+from strata.layers.quantization.weight_only import (
+    SMALL_BATCH,
+    dequantize,
+    pack_fp8,
+    pack_weight,
+    unpack,
+    weight_only_linear,
+)
 
 
 def _random_weight(n: int, k: int, bits: int, group_size: int, symmetric: bool, seed: int = 0):
@@ -119,10 +126,24 @@ def test_small_batch_kernel_matches_the_reference_for_every_kind(m, threads):
         torch.set_num_threads(before)
 
 
-def test_kernel_dequantize_matches_the_reference():
-    for kind, weight, scales, zeros, group, reference in _kernel_cases(45, 232):
-        if scales is not None:
-            torch.testing.assert_close(cpu_matmul.dequantize(weight, kind, 232, scales, zeros, group), reference)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 5, 6, 17, 64, 300])
+@pytest.mark.parametrize("n,k", [(45, 600), (130, 232)])
+def test_gemm_matches_the_reference_for_every_kind(m, n, k, threads):
+    """Rows in whole and partial blocks of 6, outputs in partial strips of 16 and (130) two tasks of 128, K in
+    several panels of 256 ending in a partial block of 32 (600) or in one short panel (232)."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for kind, weight, scales, zeros, group, reference in _kernel_cases(n, k):
+            if kind == cpu_matmul.KIND_F32:
+                continue  # float32 weights are oneDNN's
+            y = cpu_matmul.narrow_gemm(x, weight, kind, n, scales, zeros, group, bias)
+            _assert_close_to(y, x.double() @ reference.double().T + bias.double(), f"kind {kind}")
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cpu_flags() -> set[str]:
@@ -150,23 +171,32 @@ def test_each_c_build_matches_the_reference(build, tmp_path, monkeypatch):
     flags, needs = _BUILDS[build]
     if needs - _cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
-    source = Path(native.__file__).with_name("csrc") / "weight_only.c"
-    target = tmp_path / f"weight_only_{build}.so"
-    subprocess.run([compiler, "-O2", "-fopenmp", "-shared", "-fPIC", *flags, str(source), "-o", str(target), "-lm"],
-                   check=True)
-    monkeypatch.setattr(native, "load", lambda name: ctypes.CDLL(str(target)))
+    libraries = {}
+    for name in ("weight_only", "weight_gemm"):
+        source = Path(native.__file__).with_name("csrc") / f"{name}.c"
+        target = tmp_path / f"{name}_{build}.so"
+        subprocess.run([compiler, "-O2", "-fopenmp", "-shared", "-fPIC", *flags, str(source), "-o", str(target),
+                        "-lm"], check=True)
+        libraries[name] = ctypes.CDLL(str(target))
+    monkeypatch.setattr(native, "load", libraries.__getitem__)
     cpu_matmul._library.cache_clear()
+    cpu_matmul._gemm_library.cache_clear()
     before = torch.get_num_threads()
     try:
-        for m, threads in [(1, 1), (3, 2), (11, 2)]:  # 11 rows of x: passes of 8, 2 and 1 rows
+        for m, threads in [(1, 1), (3, 2), (11, 2)]:  # 11 rows of x: passes of 8, 2 and 1 rows; 6 and 5 in the GEMM
             torch.set_num_threads(threads)
             x = torch.randn(m, 232, generator=torch.Generator().manual_seed(m))
             for kind, weight, scales, zeros, group, reference in _kernel_cases(45, 232):
+                expected = x.double() @ reference.double().T
                 y = cpu_matmul.matmul(x, weight, kind, 45, scales, zeros, group)
-                _assert_close_to(y, x.double() @ reference.double().T, f"{build}, kind {kind}, {m} rows")
+                _assert_close_to(y, expected, f"{build}, kind {kind}, {m} rows")
+                if kind != cpu_matmul.KIND_F32:
+                    y = cpu_matmul.narrow_gemm(x, weight, kind, 45, scales, zeros, group)
+                    _assert_close_to(y, expected, f"{build} GEMM, kind {kind}, {m} rows")
     finally:
         torch.set_num_threads(before)
         cpu_matmul._library.cache_clear()
+        cpu_matmul._gemm_library.cache_clear()
 
 
 def test_bfloat16_input_gives_bfloat16_output_close_to_float32():
@@ -178,14 +208,18 @@ def test_bfloat16_input_gives_bfloat16_output_close_to_float32():
     torch.testing.assert_close(y.float(), weight_only_linear(x.bfloat16().float(), w), rtol=1e-2, atol=1e-2)
 
 
-def test_large_batches_tile_the_weight_and_still_match(monkeypatch):
-    monkeypatch.setattr(cpu_matmul, "TILE_BYTES", 4 * 200 * 16)  # 16 rows a tile: 5 tiles, the last short
+def test_large_batches_take_the_gemm_and_match(monkeypatch):
+    calls = []
+    gemm = cpu_matmul.narrow_gemm
+    monkeypatch.setattr(cpu_matmul, "narrow_gemm", lambda *a, **kw: calls.append(a[0].shape) or gemm(*a, **kw))
     q, scales, zeros = _random_weight(75, 200, 4, 64, False)
     w = pack_weight(q, scales, zeros, 4, 64)
-    x = torch.randn(40, 200)
     bias = torch.randn(75)
-    reference = x.double() @ _reference(q, scales, zeros, 4, 64).double().T + bias.double()
-    torch.testing.assert_close(weight_only_linear(x, w, bias).double(), reference, rtol=1e-4, atol=1e-4)
+    for rows in (SMALL_BATCH, SMALL_BATCH + 1):
+        x = torch.randn(rows, 200)
+        reference = x.double() @ _reference(q, scales, zeros, 4, 64).double().T + bias.double()
+        _assert_close_to(weight_only_linear(x, w, bias), reference, f"{rows} rows")
+    assert calls == [(SMALL_BATCH + 1, 200)]
 
 
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, -1)])

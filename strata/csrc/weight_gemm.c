@@ -1,0 +1,236 @@
+/* Large-batch products (prefill, batched decode) straight from weights narrower than float32: bfloat16, int8, int4
+   and FP8 in strata's layouts (weight_values.h). A GEMM in the manner of BLIS: each task widens a panel of 16
+   outputs x KC values of K at a time into float32 once, in cache, and a 6 x 16 register-blocked kernel multiplies
+   every row of x by it, so the widening costs one pass over the weight per product instead of oneDNN's repacking
+   of a dequantized float32 copy. Built on first use by strata/native.py; AVX2/FMA, plain C otherwise. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "weight_values.h"
+
+#define KC 256  /* values of K in one panel: a strip of 16 outputs is 16 KiB, in L1 */
+#define NR 16   /* outputs of one kernel call: two registers */
+#define MR 6    /* rows of x of one kernel call: 12 accumulators */
+#define MC 96   /* rows of x per pass over a panel: 96 KiB of x, in L2 */
+#define NC 128  /* outputs of one task: a 128 KiB panel, in L2 */
+
+#if USE_AVX2
+/* Blocks of row r from value k0 (a multiple of 32) until `end` into dst, group by group: for a quantized KIND
+   (q - zero) * scale, as the reference dequantizes. */
+static inline __attribute__((always_inline)) void widen_blocks(const weights_t *w, int64_t r, int64_t k0,
+                                                               int64_t end, const int KIND, float *dst) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    for (int64_t i = 0; i < end;) {
+        const int64_t g = scaled(KIND) ? (k0 + i) / w->group_size : 0;
+        const int64_t group_end = scaled(KIND) ? (g + 1) * w->group_size - k0 : end;
+        const int64_t stop = group_end < end ? group_end : end;
+        const __m256 scale = _mm256_set1_ps(scaled(KIND) ? w->scales[r * w->groups + g] : 1.f);
+        const __m256 zero = _mm256_set1_ps(scaled(KIND) ? zero_point(w, r, g) : 0.f);
+        for (; i < stop; i += BLOCK) {
+            __m256 v[4];
+            load_block(KIND, row, (k0 + i) / BLOCK, v);
+            for (int j = 0; j < 4; j++)
+                _mm256_storeu_ps(dst + i + 8 * j, scaled(KIND) ? _mm256_mul_ps(_mm256_sub_ps(v[j], zero), scale) : v[j]);
+        }
+    }
+}
+#endif
+
+/* Values k0 .. k0 + kc of weight row r (kc <= KC) as float32 into dst, then zeros up to a multiple of 8.
+   Quantized rows are padded to whole blocks in memory; bfloat16 rows are not, so their last block goes one by one. */
+static void widen_row(const weights_t *w, int64_t r, int64_t k0, int64_t kc, float *dst) {
+    const int quantized = scaled(w->kind);
+    int64_t i = 0;
+#if USE_AVX2
+    i = quantized ? (kc + BLOCK - 1) / BLOCK * BLOCK : kc / BLOCK * BLOCK;
+    switch (w->kind) { /* constant kinds, so each load inlines */
+    case KIND_BF16: widen_blocks(w, r, k0, i, KIND_BF16, dst); break;
+    case KIND_INT4: widen_blocks(w, r, k0, i, KIND_INT4, dst); break;
+    case KIND_FP8: widen_blocks(w, r, k0, i, KIND_FP8, dst); break;
+    default: widen_blocks(w, r, k0, i, KIND_INT8, dst);
+    }
+#endif
+    const uint8_t *row = w->data + r * w->row_bytes;
+    for (; i < kc; i++) {
+        const int64_t k = k0 + i;
+        float v = load_value(w, row, k);
+        if (quantized) v = (v - zero_point(w, r, k / w->group_size)) * w->scales[r * w->groups + k / w->group_size];
+        dst[i] = v;
+    }
+    for (i = kc; i % 8; i++) dst[i] = 0.f;
+}
+
+/* Outputs n0 .. n0 + 16 (zeros past n) for values k0 .. k0 + kc as a panel [kc][16], through rows [16][KC]. */
+static void pack_strip(const weights_t *w, int64_t n0, int64_t k0, int64_t kc, float *rows, float *panel) {
+    for (int r = 0; r < NR; r++) {
+        if (n0 + r < w->n) widen_row(w, n0 + r, k0, kc, rows + r * KC);
+        else memset(rows + r * KC, 0, sizeof(float) * KC);
+    }
+#if USE_AVX2
+    for (int64_t k = 0; k < kc; k += 8)
+        for (int half = 0; half < 2; half++) { /* an 8 x 8 transpose; the loads already pair rows r and r + 4 */
+            const float *src = rows + half * 8 * KC + k;
+            __m256 r[8], t[8];
+            for (int j = 0; j < 4; j++) {
+                r[j] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(src + j * KC)),
+                                            _mm_loadu_ps(src + (j + 4) * KC), 1);
+                r[j + 4] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(src + j * KC + 4)),
+                                                _mm_loadu_ps(src + (j + 4) * KC + 4), 1);
+            }
+            /* r[j]: values 0-3 of rows j, j + 4; r[j + 4]: values 4-7 */
+            for (int h = 0; h < 8; h += 4) {
+                t[h] = _mm256_unpacklo_ps(r[h], r[h + 1]);
+                t[h + 1] = _mm256_unpackhi_ps(r[h], r[h + 1]);
+                t[h + 2] = _mm256_unpacklo_ps(r[h + 2], r[h + 3]);
+                t[h + 3] = _mm256_unpackhi_ps(r[h + 2], r[h + 3]);
+            }
+            for (int h = 0; h < 8; h += 4) {
+                const __m256 out[4] = {_mm256_shuffle_ps(t[h], t[h + 2], 0x44), _mm256_shuffle_ps(t[h], t[h + 2], 0xEE),
+                                       _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44),
+                                       _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE)};
+                for (int j = 0; j < 4; j++) /* value k + h + j of the 8 rows (ordered 0, 1, 2, 3 | 4, 5, 6, 7) */
+                    if (k + h + j < kc) _mm256_storeu_ps(panel + (k + h + j) * NR + half * 8, out[j]);
+            }
+        }
+#else
+    for (int64_t k = 0; k < kc; k++)
+        for (int r = 0; r < NR; r++) panel[k * NR + r] = rows[r * KC + k];
+#endif
+}
+
+/* x [m_total, k] as blocks of 6 rows [k][6] (rows past m_total: zeros): the kernel's broadcasts then read one
+   stream, not six rows far apart. */
+static void pack_rows(const float *x, int64_t m_total, int64_t k, int64_t block, float *xp) {
+    float *dst = xp + block * k * MR;
+    for (int64_t kk = 0; kk < k; kk++)
+        for (int i = 0; i < MR; i++) {
+            const int64_t m = block * MR + i;
+            dst[kk * MR + i] = m < m_total ? x[m * k + kk] : 0.f;
+        }
+}
+
+/* c[mr][16] (+)= a [kc][6] (the first mr of each 6) times panel [kc][16]; `valid` of the 16 columns are stored. */
+static inline __attribute__((always_inline)) void kernel(const float *a, const float *panel, int64_t kc,
+                                                         float *c, int64_t ldc, const int mr, int accumulate,
+                                                         int valid, const float *bias) {
+#if USE_AVX2
+    /* Twelve named accumulators: an array of them, indexed in loops, was kept on the stack (3x slower). */
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define STEP(i)                                                  \
+    if (mr > i) {                                                \
+        const __m256 x = _mm256_broadcast_ss(a + k * MR + i);    \
+        c##i##0 = _mm256_fmadd_ps(x, b0, c##i##0);               \
+        c##i##1 = _mm256_fmadd_ps(x, b1, c##i##1);               \
+    }
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_loadu_ps(panel + k * NR), b1 = _mm256_loadu_ps(panel + k * NR + 8);
+        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5)
+    }
+#undef STEP
+    const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    if (valid == NR) { /* straight from the registers */
+        const __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        const __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+        for (int m = 0; m < mr; m++) {
+            float *row = c + m * ldc;
+            __m256 y0 = _mm256_add_ps(acc[m][0], bias0), y1 = _mm256_add_ps(acc[m][1], bias1);
+            if (accumulate) {
+                y0 = _mm256_add_ps(_mm256_loadu_ps(row), y0);
+                y1 = _mm256_add_ps(_mm256_loadu_ps(row + 8), y1);
+            }
+            _mm256_storeu_ps(row, y0);
+            _mm256_storeu_ps(row + 8, y1);
+        }
+        return;
+    }
+    float tile[MR][NR];
+    for (int m = 0; m < mr; m++) {
+        _mm256_storeu_ps(tile[m], acc[m][0]);
+        _mm256_storeu_ps(tile[m] + 8, acc[m][1]);
+    }
+#else
+    float tile[MR][NR] = {{0.f}};
+    for (int64_t k = 0; k < kc; k++)
+        for (int m = 0; m < mr; m++)
+            for (int j = 0; j < NR; j++) tile[m][j] += a[k * MR + m] * panel[k * NR + j];
+#endif
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < valid; j++)
+            c[m * ldc + j] = (accumulate ? c[m * ldc + j] : 0.f) + (tile[m][j] + (bias ? bias[j] : 0.f));
+}
+
+#define DEFINE_KERNEL(MRC)                                                                                      \
+    static void kernel_##MRC(const float *a, const float *panel, int64_t kc, float *c, int64_t ldc,             \
+                             int accumulate, int valid, const float *bias) {                                    \
+        kernel(a, panel, kc, c, ldc, MRC, accumulate, valid, bias);                                             \
+    }
+DEFINE_KERNEL(1)
+DEFINE_KERNEL(2)
+DEFINE_KERNEL(3)
+DEFINE_KERNEL(4)
+DEFINE_KERNEL(5)
+DEFINE_KERNEL(6)
+typedef void (*kernel_fn)(const float *, const float *, int64_t, float *, int64_t, int, int, const float *);
+static const kernel_fn KERNELS[MR + 1] = {NULL, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6};
+
+/* Outputs n0 .. n1 of every row of x: panel by panel along K, each multiplied by all of x while in cache. */
+static void task(const weights_t *w, const float *xp, int64_t m_total, int64_t n0, int64_t n1, const float *bias,
+                 float *out, float *rows, float *panel) {
+    const int64_t strips = (n1 - n0 + NR - 1) / NR;
+    for (int64_t k0 = 0; k0 < w->k; k0 += KC) {
+        const int64_t kc = w->k - k0 < KC ? w->k - k0 : KC;
+        const int last = k0 + kc == w->k;
+        for (int64_t s = 0; s < strips; s++) pack_strip(w, n0 + s * NR, k0, kc, rows, panel + s * KC * NR);
+        for (int64_t mc = 0; mc < m_total; mc += MC) {
+            const int64_t mc_end = mc + MC < m_total ? mc + MC : m_total;
+            for (int64_t s = 0; s < strips; s++) {
+                const int64_t col = n0 + s * NR;
+                const int valid = n1 - col < NR ? (int)(n1 - col) : NR;
+                const float *strip_bias = last && bias ? bias + col : NULL;
+                for (int64_t m = mc; m < mc_end; m += MR) {
+                    const int mr = mc_end - m < MR ? (int)(mc_end - m) : MR;
+                    KERNELS[mr](xp + m * w->k + k0 * MR, panel + s * KC * NR, kc, out + m * w->n + col, w->n,
+                                k0 > 0, valid, strip_bias);
+                }
+            }
+        }
+    }
+}
+
+/* out[m_total, n] = x[m_total, k] (float32, contiguous) times the weight's transpose (+ bias, float32 or NULL);
+   the weight as in weight_only_matmul (kind 1 bfloat16, 4 / 8 int4 / int8 with scales and zeros [n, groups],
+   9 FP8 with scales [n, 1]). Tasks of NC outputs are shared among the threads. Returns 0, or -1 when scratch
+   memory ran out. */
+int weight_gemm(const float *x, int64_t m_total, int64_t k, const void *weight, int64_t row_bytes, int kind,
+                const float *scales, const float *zeros, int64_t groups, int64_t group_size, const float *bias,
+                float *out, int64_t n, int num_threads) {
+    const weights_t w = {weight, row_bytes, n, k, scaled(kind) ? groups : 1, scaled(kind) ? group_size : k + BLOCK,
+                         scales, zeros, kind};
+    if (m_total == 0 || n == 0) return 0;
+    if (k == 0) { /* no panels: the bias alone */
+        for (int64_t i = 0; i < m_total * n; i++) out[i] = bias ? bias[i % n] : 0.f;
+        return 0;
+    }
+    const int64_t tasks = (n + NC - 1) / NC, blocks = (m_total + MR - 1) / MR;
+    float *xp = aligned_alloc(64, (sizeof(float) * (size_t)(blocks * MR * k) + 63) / 64 * 64);
+    if (!xp) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) pack_rows(x, m_total, k, b, xp);
+        float *rows = aligned_alloc(64, sizeof(float) * (NR * KC + NC * KC));
+        if (!rows) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t n0 = t * NC, n1 = n0 + NC < n ? n0 + NC : n;
+            if (rows) task(&w, xp, m_total, n0, n1, bias, out, rows, rows + NR * KC);
+        }
+        free(rows);
+    }
+    free(xp);
+    return failed ? -1 : 0;
+}
