@@ -31,7 +31,8 @@ static inline __attribute__((always_inline)) void widen_blocks(const weights_t *
             __m256 v[4];
             load_block(KIND, row, (k0 + i) / BLOCK, v);
             for (int j = 0; j < 4; j++)
-                _mm256_storeu_ps(dst + i + 8 * j, scaled(KIND) ? _mm256_mul_ps(_mm256_sub_ps(v[j], zero), scale) : v[j]);
+                v[j] = scaled(KIND) ? _mm256_mul_ps(_mm256_sub_ps(v[j], zero), scale) : v[j];
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + i + 8 * j, v[j]);
         }
     }
 }

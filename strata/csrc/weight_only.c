@@ -252,6 +252,8 @@ int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *w
 #endif
 #if USE_AVX2 && !USE_AVX512
     if (kind == KIND_INT4 && m_total == 1) return matmul_int4_avx2(&w, x, bias, out, num_threads);
+    if (kind == KIND_INT8 && m_total == 1 && (w.groups == 1 || w.group_size % I4_XBLOCK == 0))
+        return matmul_int8_avx2(&w, x, bias, out, num_threads);
 #endif
     /* x summed per group over the full blocks, for the zero points. */
     float *xsum = calloc((size_t)(m_total * w.groups), sizeof(float));
