@@ -1,8 +1,9 @@
 /* Large-batch products (prefill, batched decode) straight from weights narrower than float32: bfloat16, int8, int4
-   and FP8 in strata's layouts (weight_values.h). A GEMM in the manner of BLIS: each task widens a panel of 16
-   outputs x KC values of K at a time into float32 once, in cache, and a 6 x 16 register-blocked kernel multiplies
-   every row of x by it, so the widening costs one pass over the weight per product instead of oneDNN's repacking
-   of a dequantized float32 copy. Built on first use by strata/native.py; AVX2/FMA, plain C otherwise. */
+   and FP8 in strata's layouts (weight_values.h). A GEMM in the manner of BLIS: a task (128 outputs) widens the next
+   256 values of K of its outputs into float32 once, as panels of 16 outputs in cache, and a 6 x 16 register-blocked
+   kernel multiplies every row of x by them, so the widening costs one pass over the weight per product (the tiles
+   this replaced were dequantized, then repacked by oneDNN, on every call). Built on first use by strata/native.py;
+   AVX2/FMA, plain C otherwise. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
