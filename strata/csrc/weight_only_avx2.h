@@ -105,22 +105,43 @@ static inline int64_t int4_block_end(int64_t b, int64_t stride) {
     return (b + 1) * I4_XBLOCK < stride ? (b + 1) * I4_XBLOCK : stride;
 }
 
+/* One buffer of `floats` floats (x first, zero-padded to `padded` values) and `bytes` more, and the per-group sums
+   (zeroed); NULL, with nothing allocated, when memory ran out. */
+static float *x_buffer(const weights_t *w, const float *x, int64_t padded, size_t floats, size_t bytes,
+                       double **sums) {
+    float *f = aligned_alloc(64, (floats * sizeof(float) + bytes + 63) / 64 * 64);
+    *sums = calloc((size_t)w->groups, sizeof(double));
+    if (!f || !*sums) {
+        free(f);
+        free(*sums);
+        return NULL;
+    }
+    memcpy(f, x, (size_t)w->k * sizeof(float));
+    memset(f + w->k, 0, (size_t)(padded - w->k) * sizeof(float));
+    return f;
+}
+
+/* Each 128-value block's extent into extent[b]; returns the row's lift: 2^64 for a row of tiny values (its scales
+   would underflow), else 1. */
+static float x_extents(const float *row, int64_t xblocks, int64_t stride, float *extent) {
+    float row_max = 0.f;
+    for (int64_t b = 0; b < xblocks; b++) {
+        extent[b] = x_block_extent(row, b * I4_XBLOCK, int4_block_end(b, stride));
+        row_max = extent[b] > row_max ? extent[b] : row_max;
+    }
+    return row_max < 0x1p-60f ? 0x1p64f : 1.f;
+}
+
 /* Round one row of x to the prepared form; returns -1 when memory ran out. One buffer holds it all. */
 static int int4_prepare_x(const weights_t *w, const float *x, int4_x_t *p) {
     const int64_t values = w->row_bytes * 2, stride = (values + I4_CHUNK - 1) / I4_CHUNK * I4_CHUNK;
     const int64_t xblocks = (stride + I4_XBLOCK - 1) / I4_XBLOCK, padded = xblocks * I4_XBLOCK;
     p->chunks = stride / I4_CHUNK;
     const size_t floats = (size_t)(padded + xblocks + w->groups + 2 * p->chunks);
-    float *f = aligned_alloc(64, (floats * sizeof(float) + I4_DIGITS * (size_t)stride + 63) / 64 * 64);
-    double *sums = calloc((size_t)w->groups, sizeof(double));
-    if (!f || !sums) {
-        free(f);
-        free(sums);
-        return -1;
-    }
+    double *sums;
+    float *f = x_buffer(w, x, padded, floats, I4_DIGITS * (size_t)stride, &sums);
+    if (!f) return -1;
     float *row = p->buffer = f;
-    memcpy(row, x, (size_t)w->k * sizeof(float));
-    memset(row + w->k, 0, (size_t)(padded - w->k) * sizeof(float));
     p->scale = row + padded;
     p->xsum = p->scale + xblocks;
     p->group_of = (int32_t *)(p->xsum + w->groups);
@@ -129,12 +150,7 @@ static int int4_prepare_x(const weights_t *w, const float *x, int4_x_t *p) {
         p->group_of[b] = (int32_t)(g < w->groups ? g : w->groups - 1); /* a block past K: its products are 0 */
     }
     for (int d = 0; d < I4_DIGITS; d++) p->digits[d] = (int8_t *)(f + floats) + d * stride;
-    float row_max = 0.f; /* the blocks' extents wait in p->scale until the lift is known */
-    for (int64_t b = 0; b < xblocks; b++) {
-        p->scale[b] = x_block_extent(row, b * I4_XBLOCK, int4_block_end(b, stride));
-        row_max = p->scale[b] > row_max ? p->scale[b] : row_max;
-    }
-    p->lift = row_max < 0x1p-60f ? 0x1p64f : 1.f;
+    p->lift = x_extents(row, xblocks, stride, p->scale); /* the extents wait in p->scale until the lift is known */
     for (int64_t b = 0; b < xblocks; b++)
         int4_round_block(row, b * I4_XBLOCK, int4_block_end(b, stride), b, p->scale[b], p->lift, p, sums);
     for (int64_t g = 0; g < w->groups; g++) p->xsum[g] = (float)sums[g];
@@ -253,27 +269,16 @@ typedef struct {
 static int int8_prepare_x(const weights_t *w, const float *x, int8_x_t *p) {
     const int64_t xblocks = (w->row_bytes + I4_XBLOCK - 1) / I4_XBLOCK, padded = xblocks * I4_XBLOCK;
     const size_t floats = (size_t)(padded + xblocks + w->groups);
-    float *f = aligned_alloc(64, (floats * sizeof(float) + 2 * (size_t)padded * sizeof(int16_t) + 63) / 64 * 64);
-    double *sums = calloc((size_t)w->groups, sizeof(double));
-    if (!f || !sums) {
-        free(f);
-        free(sums);
-        return -1;
-    }
+    double *sums;
+    float *f = x_buffer(w, x, padded, floats, 2 * (size_t)padded * sizeof(int16_t), &sums);
+    if (!f) return -1;
     float *row = p->buffer = f;
-    memcpy(row, x, (size_t)w->k * sizeof(float));
-    memset(row + w->k, 0, (size_t)(padded - w->k) * sizeof(float));
     p->scale = row + padded;
     p->xsum = p->scale + xblocks;
     p->high = (int16_t *)(f + floats);
     p->low = p->high + padded;
     p->xblocks = xblocks;
-    float row_max = 0.f;
-    for (int64_t b = 0; b < xblocks; b++) {
-        p->scale[b] = x_block_extent(row, b * I4_XBLOCK, (b + 1) * I4_XBLOCK);
-        row_max = p->scale[b] > row_max ? p->scale[b] : row_max;
-    }
-    p->lift = row_max < 0x1p-60f ? 0x1p64f : 1.f;
+    p->lift = x_extents(row, xblocks, padded, p->scale);
     const __m256i bias = _mm256_set1_epi32(2048), mask = _mm256_set1_epi32(4095);
     for (int64_t b = 0; b < xblocks; b++) {
         const float largest = p->scale[b] * p->lift, scale = largest / I4_LIMIT;
