@@ -63,7 +63,8 @@ static void widen_row(const weights_t *w, int64_t r, int64_t k0, int64_t kc, flo
     for (i = kc; i % 8; i++) dst[i] = 0.f;
 }
 
-/* Outputs n0 .. n0 + 16 (zeros past n) for values k0 .. k0 + kc as a panel [kc][16], through rows [16][KC]. */
+/* Outputs n0 .. n0 + 16 (zeros past n) for values k0 .. k0 + kc as a panel [kc][16] (rows up to a multiple of 8
+   written: KC is one), through rows [16][KC]. */
 static void pack_strip(const weights_t *w, int64_t n0, int64_t k0, int64_t kc, float *rows, float *panel) {
     for (int r = 0; r < NR; r++) {
         if (n0 + r < w->n) widen_row(w, n0 + r, k0, kc, rows + r * KC);
@@ -91,8 +92,8 @@ static void pack_strip(const weights_t *w, int64_t n0, int64_t k0, int64_t kc, f
                 const __m256 out[4] = {_mm256_shuffle_ps(t[h], t[h + 2], 0x44), _mm256_shuffle_ps(t[h], t[h + 2], 0xEE),
                                        _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44),
                                        _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE)};
-                for (int j = 0; j < 4; j++) /* value k + h + j of the 8 rows (ordered 0, 1, 2, 3 | 4, 5, 6, 7) */
-                    if (k + h + j < kc) _mm256_storeu_ps(panel + (k + h + j) * NR + half * 8, out[j]);
+                for (int j = 0; j < 4; j++) /* value k + h + j of the 8 rows (past kc: zeros the kernel never reads) */
+                    _mm256_storeu_ps(panel + (k + h + j) * NR + half * 8, out[j]);
             }
         }
 #else

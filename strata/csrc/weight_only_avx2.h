@@ -74,23 +74,38 @@ static float x_block_extent(const float *row, int64_t k0, int64_t k1) {
     return hmax(amax) + hsum(finite);
 }
 
+/* How a block of x with extent `extent` is rounded: x * lift / scale into +-I4_LIMIT (a NaN extent gives NaN). */
+typedef struct {
+    float scale;
+    __m256 lifted, inverse;
+} x_rounding_t;
+
+static inline x_rounding_t x_rounding(float extent, float lift) {
+    const float largest = extent * lift;
+    const x_rounding_t r = {largest / I4_LIMIT, _mm256_set1_ps(lift),
+                            _mm256_set1_ps(largest > 0.f ? I4_LIMIT / largest : 0.f)};
+    return r;
+}
+
+/* Eight values of x at p, rounded. */
+static inline __m256i x_round8(const float *p, const x_rounding_t *r) {
+    return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(p), r->lifted), r->inverse));
+}
+
 /* One 128-value block of x (zero past K: `row` is padded) rounded into p, its extent (largest magnitude) times
    `lift` setting the scale; a NaN extent makes the scale NaN, so the outputs it reaches are NaN, as in float. The
    rounded values summed per 32-value block join their group's xsum (in double: it meets the zero points' large
    factor). */
 static void int4_round_block(const float *row, int64_t k0, int64_t k1, int64_t b, float extent, float lift,
                              int4_x_t *p, double *sums) {
-    const float largest = extent * lift, scale = largest / I4_LIMIT;
-    const __m256 inverse = _mm256_set1_ps(largest > 0.f ? I4_LIMIT / largest : 0.f);
-    const __m256 lifted = _mm256_set1_ps(lift);
-    p->scale[b] = scale;
+    const x_rounding_t rounding = x_rounding(extent, lift);
+    const float scale = p->scale[b] = rounding.scale;
     for (int64_t i = k0; i < k1; i += BLOCK) {
         __m256i block_sum = _mm256_setzero_si256();
         for (int64_t h = i; h < i + BLOCK; h += 16) {
             __m256i v[2], digits[2][I4_DIGITS];
             for (int j = 0; j < 2; j++) {
-                const __m256 values = _mm256_mul_ps(_mm256_loadu_ps(row + h + 8 * j), lifted);
-                v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(values, inverse));
+                v[j] = x_round8(row + h + 8 * j, &rounding);
                 split_digits(v[j], digits[j]);
             }
             const int64_t at = h / I4_CHUNK * I4_CHUNK + int4_position(h % I4_CHUNK);
@@ -262,35 +277,34 @@ typedef struct {
     int16_t *high, *low; /* [padded K] each: x / scale = 4096 high + low */
     float *scale;        /* [xblocks] */
     float lift;
-    float *xsum; /* [groups] */
+    float *xsum;       /* [groups] */
+    int32_t *group_of; /* [xblocks]: the weight group of each 128-value block */
     int64_t xblocks;
 } int8_x_t;
 
 static int int8_prepare_x(const weights_t *w, const float *x, int8_x_t *p) {
     const int64_t xblocks = (w->row_bytes + I4_XBLOCK - 1) / I4_XBLOCK, padded = xblocks * I4_XBLOCK;
-    const size_t floats = (size_t)(padded + xblocks + w->groups);
+    const size_t floats = (size_t)(padded + 2 * xblocks + w->groups);
     double *sums;
     float *f = x_buffer(w, x, padded, floats, 2 * (size_t)padded * sizeof(int16_t), &sums);
     if (!f) return -1;
     float *row = p->buffer = f;
     p->scale = row + padded;
     p->xsum = p->scale + xblocks;
+    p->group_of = (int32_t *)(p->xsum + w->groups);
     p->high = (int16_t *)(f + floats);
     p->low = p->high + padded;
     p->xblocks = xblocks;
     p->lift = x_extents(row, xblocks, padded, p->scale);
     const __m256i bias = _mm256_set1_epi32(2048), mask = _mm256_set1_epi32(4095);
     for (int64_t b = 0; b < xblocks; b++) {
-        const float largest = p->scale[b] * p->lift, scale = largest / I4_LIMIT;
-        const __m256 inverse = _mm256_set1_ps(largest > 0.f ? I4_LIMIT / largest : 0.f);
-        const __m256 lifted = _mm256_set1_ps(p->lift);
-        p->scale[b] = scale;
+        const x_rounding_t rounding = x_rounding(p->scale[b], p->lift);
+        const float scale = p->scale[b] = rounding.scale;
         __m256i block_sum = _mm256_setzero_si256();
         for (int64_t i = b * I4_XBLOCK; i < (b + 1) * I4_XBLOCK; i += 16) {
             __m256i v[2], high[2], low[2];
             for (int j = 0; j < 2; j++) {
-                const __m256 values = _mm256_mul_ps(_mm256_loadu_ps(row + i + 8 * j), lifted);
-                v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(values, inverse));
+                v[j] = x_round8(row + i + 8 * j, &rounding);
                 low[j] = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(v[j], bias), mask), bias);
                 high[j] = _mm256_srai_epi32(_mm256_sub_epi32(v[j], low[j]), 12);
             }
@@ -302,7 +316,8 @@ static int int8_prepare_x(const weights_t *w, const float *x, int8_x_t *p) {
             block_sum = _mm256_add_epi32(block_sum, _mm256_add_epi32(v[0], v[1]));
         }
         const int64_t g = b * I4_XBLOCK / w->group_size;
-        sums[g < w->groups ? g : w->groups - 1] += (double)scale * hsum_epi32(block_sum);
+        p->group_of[b] = (int32_t)(g < w->groups ? g : w->groups - 1); /* a block past K: its products are 0 */
+        sums[p->group_of[b]] += (double)scale * hsum_epi32(block_sum);
     }
     for (int64_t g = 0; g < w->groups; g++) p->xsum[g] = (float)sums[g];
     free(sums);
@@ -330,8 +345,7 @@ static void int8_rows(const weights_t *w, int64_t n0, int64_t n1, const int8_x_t
                 low = _mm256_add_epi32(low, _mm256_madd_epi16(q, _mm256_loadu_si256(l)));
             }
             const __m256 block = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), shift, _mm256_cvtepi32_ps(low));
-            const float s = scales[k0 / w->group_size < w->groups ? k0 / w->group_size : w->groups - 1] * xp->scale[b];
-            total = _mm256_fmadd_ps(block, _mm256_set1_ps(s), total);
+            total = _mm256_fmadd_ps(block, _mm256_set1_ps(scales[xp->group_of[b]] * xp->scale[b]), total);
         }
         out[n] = (hsum(total) - zero_term(w, n, xp->xsum)) / xp->lift + (bias ? bias[n] : 0.f);
     }

@@ -70,6 +70,12 @@ def test_a_layout_of_the_right_size_is_taken_only_if_it_reproduces_onednn(monkey
     assert onednn_weights.pack(weight).blocked_layout == real
 
 
+def _as_without_native_bfloat16(monkeypatch) -> None:
+    """As on a CPU without native bfloat16 arithmetic: only float32 weights are packed for oneDNN."""
+    monkeypatch.setattr(onednn_weights, "can_pack", lambda w: w.dtype == torch.float32)
+    monkeypatch.setattr(linear_module, "can_pack", onednn_weights.can_pack)
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, SMALL_BATCH_PLAIN, SMALL_BATCH_PLAIN + 1, 70])
 def test_a_plain_bfloat16_weight_without_native_bfloat16_takes_the_kernel_or_the_gemm(x_dtype, rows, monkeypatch):
@@ -87,12 +93,6 @@ def test_a_plain_bfloat16_weight_without_native_bfloat16_takes_the_kernel_or_the
     tol = 1e-5 if x_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
     assert (bool(kernel), bool(gemm)) == (rows <= SMALL_BATCH_PLAIN, rows > SMALL_BATCH_PLAIN)
-
-
-
-def _as_without_native_bfloat16(monkeypatch) -> None:
-    monkeypatch.setattr(onednn_weights, "can_pack", lambda w: w.dtype == torch.float32)
-    monkeypatch.setattr(linear_module, "can_pack", onednn_weights.can_pack)
 
 
 def test_a_plain_bfloat16_weight_without_native_bfloat16_still_runs_without_the_kernels(monkeypatch):
