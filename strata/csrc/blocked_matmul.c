@@ -51,6 +51,71 @@ DEFINE_BLOCK(block_8, 8)
 
 typedef void (*block_fn)(const float *, int64_t, int64_t, const void *, int, float *);
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* float32 weights on AVX2: R rows of x against a strip of S outputs of a block of NB, the R * S / 8 sums in
+   registers over k rows of the block. The loops above keep their sums in memory (a load and a store beside each
+   FMA): 15-16 GB/s from DRAM on 2 Zen 3 cores where one row of x through this reads at the plain read loop's
+   18-20. A strip narrower than the block asks for the rest of each row, which the next strip reads from L1. */
+static inline __attribute__((always_inline)) void strip_f32(const float *x, int64_t x_stride, int64_t k,
+                                                           const float *w, int64_t nb, const int R, const int S,
+                                                           float *acc) {
+    __m256 sum[12];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int j = 0; j < S / 8; j++) sum[r * S / 8 + j] = _mm256_loadu_ps(acc + r * nb + 8 * j);
+    for (int64_t kk = 0; kk < k; kk++, w += nb) {
+        for (int64_t c = S; c < nb; c += 16) __builtin_prefetch(w + c, 0, 3);
+        __m256 xv[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) xv[r] = _mm256_broadcast_ss(x + r * x_stride + kk);
+#pragma GCC unroll 8
+        for (int j = 0; j < S / 8; j++) {
+            const __m256 wv = _mm256_loadu_ps(w + 8 * j);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) sum[r * S / 8 + j] = _mm256_fmadd_ps(wv, xv[r], sum[r * S / 8 + j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int j = 0; j < S / 8; j++) _mm256_storeu_ps(acc + r * nb + 8 * j, sum[r * S / 8 + j]);
+}
+
+#define KC 64 /* rows of a block per strip when several strips cover it: 16 KiB of a 64-wide block */
+/* The block in strips as wide as twelve sums allow (64 outputs for one row of x, 32 for two or three), K in
+   chunks of KC. */
+#define DEFINE_STRIPS(R, S)                                                                                   \
+    static void strips_##R##_##S(const float *x, int64_t k, const float *w, int64_t nb, float *acc) {         \
+        for (int64_t i = 0; i < R * nb; i++) acc[i] = 0.f;                                                     \
+        for (int64_t k0 = 0; k0 < k; k0 += KC)                                                                 \
+            for (int64_t c = 0; c < nb; c += S)                                                                \
+                strip_f32(x + k0, k, k0 + KC < k ? KC : k - k0, w + k0 * nb + c, nb, R, S, acc + c);            \
+    }
+DEFINE_STRIPS(1, 64) DEFINE_STRIPS(1, 32) DEFINE_STRIPS(1, 16) DEFINE_STRIPS(1, 8)
+DEFINE_STRIPS(2, 32) DEFINE_STRIPS(2, 16) DEFINE_STRIPS(2, 8)
+DEFINE_STRIPS(3, 32) DEFINE_STRIPS(3, 16) DEFINE_STRIPS(3, 8)
+
+/* Up to MAX_ROWS rows of x against a block: float32 weights and up to three rows through the strips, the rest
+   through fn (four rows in strips of 16 outputs read at 11 GB/s, 14 through fn). */
+static void block_product(const float *x, int64_t rows, int64_t k, const void *block, int bf16, int64_t nb,
+                          block_fn fn, float *acc) {
+    typedef void (*strips_fn)(const float *, int64_t, const float *, int64_t, float *);
+    static const strips_fn by_rows[3][4] = {{strips_1_8, strips_1_16, strips_1_32, strips_1_64},
+                                            {strips_2_8, strips_2_16, strips_2_32, strips_2_32},
+                                            {strips_3_8, strips_3_16, strips_3_32, strips_3_32}};
+    if (bf16 || rows > 3) return fn(x, rows, k, block, bf16, acc);
+    by_rows[rows - 1][nb == 8 ? 0 : nb == 16 ? 1 : nb == 32 ? 2 : 3](x, k, block, nb, acc);
+}
+#else
+static void block_product(const float *x, int64_t rows, int64_t k, const void *block, int bf16, int64_t nb,
+                          block_fn fn, float *acc) {
+    (void)nb;
+    fn(x, rows, k, block, bf16, acc);
+}
+#endif
+
 /* out[m_total, n] (+ bias, float32) = x[m_total, k] times the blocked weight's transpose; x and out are float32,
    or bfloat16 when io_bf16 (widened on entry, rounded on the way out, the math in float32); nb is 8, 16, 32 or
    64, k_pad the padded rows per block (a multiple of 2 for bfloat16 weights). Returns -1 for an unsupported nb,
@@ -74,7 +139,7 @@ int blocked_matmul(const void *x_in, int64_t m_total, int64_t k, const void *wei
         const int64_t n0 = b * nb, width = n0 + nb <= n ? nb : n - n0;
         for (int64_t m0 = 0; m0 < m_total; m0 += MAX_ROWS) {
             const int64_t rows = m_total - m0 < MAX_ROWS ? m_total - m0 : MAX_ROWS;
-            fn(x + m0 * k, rows, k, (const char *)weight + b * block_bytes, bf16, acc);
+            block_product(x + m0 * k, rows, k, (const char *)weight + b * block_bytes, bf16, nb, fn, acc);
             for (int64_t m = 0; m < rows; m++)
                 for (int64_t i = 0; i < width; i++) {
                     const float y = acc[m * nb + i] + (bias ? bias[n0 + i] : 0.f);
