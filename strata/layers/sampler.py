@@ -38,6 +38,14 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
     return top_ids, top_lp, chosen_lp, rank
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit (NaN counts as largest, as in torch). On CPU through numpy: torch's argmax
+    over one row of 32k logits took 60-80 us, numpy's 8."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.numpy().argmax(-1))
+    return logits.argmax(-1)
+
+
 class Sampler:
     def __init__(self, default_generator: torch.Generator) -> None:
         self.default_generator = default_generator
@@ -55,7 +63,7 @@ class Sampler:
             logits = apply_penalties(logits, rows)
         logits = mask_stop_tokens_before_min(logits, rows)
         if all(r.params.greedy for r in rows):
-            tokens = logits.argmax(-1)
+            tokens = greedy(logits)
         else:
             tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
@@ -88,8 +96,8 @@ class Sampler:
         sampled = sampled.clamp_(max=probs.shape[1] - 1)
         if not any(r.params.greedy for r in rows):
             return sampled
-        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
-        return torch.where(greedy, logits.argmax(-1), sampled)
+        is_greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        return torch.where(is_greedy, greedy(logits), sampled)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, row_indices: list[int], bitmask: torch.Tensor) -> torch.Tensor:

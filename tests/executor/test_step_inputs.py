@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from strata.executor.step import ScheduledRequest
-from strata.executor.step_inputs import copy_to_device, prepare_step
+from strata.executor.step_inputs import copy_to_device, one_transfer, prepare_step
 
 
 def scheduled(request_id: str, tokens: list[int], computed: int, blocks: list[int], slot: int,
@@ -19,9 +19,17 @@ STEP = [scheduled("d0", [5], 6, [3, 8], 4), scheduled("d1", [6], 9, [0, 7, 5], 5
 
 
 def test_every_array_is_a_view_of_one_device_buffer():
-    views = copy_to_device({"a": np.arange(3), "b": np.ones((2, 2), dtype=np.int32), "c": np.array([True])},
-                           torch.device("cpu"))
+    views = one_transfer({"a": np.arange(3), "b": np.ones((2, 2), dtype=np.int32), "c": np.array([True])},
+                         torch.device("cpu"))
     assert len({v.untyped_storage().data_ptr() for v in views.values()}) == 1
+    assert views["b"].shape == (2, 2) and views["b"].tolist() == [[1, 1], [1, 1]] and views["c"].tolist() == [1]
+
+
+def test_on_cpu_the_arrays_serve_as_they_are_in_int64():
+    a = np.arange(3)
+    views = copy_to_device({"a": a, "b": np.ones((2, 2), dtype=np.int32), "c": np.array([True])}, torch.device("cpu"))
+    assert views["a"].data_ptr() == a.ctypes.data  # no copy
+    assert all(v.dtype == torch.int64 for v in views.values())
     assert views["b"].shape == (2, 2) and views["b"].tolist() == [[1, 1], [1, 1]] and views["c"].tolist() == [1]
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.layers.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p
+from strata.layers.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p, greedy
 from strata.sampling_params import SamplingParams
 
 
@@ -23,6 +23,20 @@ def test_greedy_takes_the_argmax():
     logits = torch.randn(4, 50)
     out = sampler()(logits, [row(temperature=0)] * 4)
     assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_greedy_takes_the_first_maximum_nan_first_on_any_view_of_the_logits():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, float("nan"), 5.0, float("nan")], [0.0, -1.0, 0.0, 0.0]])
+    assert greedy(logits).tolist() == logits.argmax(-1).tolist() == [1, 1, 0]
+    padded = torch.randn(3, 70)
+    assert greedy(padded[:, :64]).tolist() == padded[:, :64].argmax(-1).tolist()  # a view past the vocabulary
+    assert greedy(padded.bfloat16().float()).dtype == torch.int64
+
+
+def test_greedy_rows_beside_sampled_ones_take_the_argmax():
+    logits = torch.randn(3, 40)
+    out = sampler()(logits, [row(temperature=0), row(temperature=1.0), row(temperature=0)])
+    assert [out.token_ids[0], out.token_ids[2]] == logits.argmax(-1)[[0, 2]].tolist()
 
 
 def test_top_k_keeps_only_the_k_best():
