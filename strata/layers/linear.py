@@ -41,9 +41,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if 0 < rows <= _small_batch_limit(widened):
         kind = cpu_matmul.dense_kind(weight)
         if kind is not None and cpu_matmul.available():
-            flat = x.reshape(rows, x.shape[-1]).to(torch.float32).contiguous()
-            y = cpu_matmul.matmul(flat, weight, kind, weight.shape[0], bias=bias)
-            return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+            y = cpu_matmul.matmul(cpu_matmul.float_rows(x), weight, kind, weight.shape[0], bias=bias)
+            return y if x.dim() == 2 and x.dtype == y.dtype else y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
     if widened:
         return cpu_matmul.widened_linear(x, weight, bias)
     if can_pack(weight) and x.dtype == weight.dtype:  # oneDNN also serves a plain weight

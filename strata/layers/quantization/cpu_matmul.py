@@ -33,6 +33,14 @@ def available() -> bool:
     return _library() is not None and _gemm_library() is not None
 
 
+def float_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as [rows, K] float32 contiguous, the tensor itself when it already is: the no-op reshape, cast
+    and copy still cost a decode step tens of microseconds each once the weights had left Python cold in cache."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return x
+    return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -73,7 +81,7 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x @ weight.T for many rows and a plain bfloat16 weight on a CPU without native bfloat16 arithmetic (whose own
     bfloat16 GEMM runs about 5x slower): float32 rows times the weight widened in the GEMM (without a C compiler,
     which native.py warns about, a float32 copy of it). Returns x's dtype."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    rows = float_rows(x)
     if not available():
         y = torch.nn.functional.linear(rows, weight.float(), None if bias is None else bias.float())
     else:

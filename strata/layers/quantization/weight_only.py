@@ -149,11 +149,11 @@ def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor |
     native.py warns about) the plain-torch dequantize-then-matmul runs."""
     if x.shape[-1] != w.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {w.in_features}")
-    rows = x.reshape(-1, w.in_features).to(torch.float32).contiguous()
+    rows = cpu_matmul.float_rows(x)
     kind = w.kernel_kind
     if x.device.type != "cpu" or not cpu_matmul.available():
         y = F.linear(rows, dequantize(w), None if bias is None else bias.to(torch.float32))
     else:
         product = cpu_matmul.matmul if rows.shape[0] <= SMALL_BATCH else cpu_matmul.narrow_gemm
         y = product(rows, w.packed, kind, w.out_features, w.scales, w.zeros, w.effective_group_size, bias)
-    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+    return y if x.dim() == 2 and x.dtype == y.dtype else y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
