@@ -51,7 +51,7 @@ DEFINE_BLOCK(block_8, 8)
 
 typedef void (*block_fn)(const float *, int64_t, int64_t, const void *, int, float *);
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(STRATA_PORTABLE)
 #include <immintrin.h>
 /* float32 weights on AVX2: R rows of x against a strip of S outputs of a block of NB, the R * S / 8 sums in
    registers over k rows of the block. The loops above keep their sums in memory (a load and a store beside each

@@ -1,12 +1,20 @@
 """The blocked small-batch kernel (`strata/csrc/blocked_matmul.c`) on layouts built by hand: every block width it
-reads, float32 and bfloat16 weights, padded K, 1-7 rows of x (its passes of one to four rows), 1 and 2 threads."""
+reads, float32 and bfloat16 weights, padded K, 1-7 rows of x (its passes of one to four rows), 1 and 2 threads, as
+built here and in plain C."""
 from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from strata import native
 from strata.layers import onednn_weights
+from strata.native import I32, I64, PTR
 
 
 def _blocked(weight: torch.Tensor, block: int, k_pad: int) -> torch.Tensor:
@@ -22,13 +30,31 @@ def _blocked(weight: torch.Tensor, block: int, k_pad: int) -> torch.Tensor:
     return by_block.view(blocks, block, k_pad // 2, 2).transpose(1, 2).contiguous()  # [blocks, k_pad / 2, block, 2]
 
 
+@pytest.fixture(scope="module", params=["native", "portable"])
+def library(request, tmp_path_factory):
+    """The kernel as strata builds it here (AVX2 strips where the CPU has them), and in plain C."""
+    if request.param == "native":
+        lib = onednn_weights._library()
+        if lib is None:
+            pytest.skip("no C compiler")
+        return lib
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    target = tmp_path_factory.mktemp("portable") / "blocked_matmul.so"
+    source = Path(native.__file__).with_name("csrc") / "blocked_matmul.c"
+    subprocess.run([compiler, "-O2", "-fopenmp", "-shared", "-fPIC", "-DSTRATA_PORTABLE", str(source), "-o",
+                    str(target)], check=True)
+    lib = ctypes.CDLL(str(target))
+    lib.blocked_matmul.argtypes = [PTR, I64, I64, PTR, I32, I64, I64, I64, PTR, PTR, I32, I32]
+    lib.blocked_matmul.restype = I32
+    return lib
+
+
 @pytest.mark.parametrize("block", [8, 16, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_blocked_kernel_matches_f_linear_for_every_block_width_and_row_count(block, dtype, threads):
-    library = onednn_weights._library()
-    if library is None:
-        pytest.skip("no C compiler")
+def test_the_blocked_kernel_matches_f_linear_for_every_block_width_and_row_count(library, block, dtype, threads):
     g = torch.Generator().manual_seed(block)
     n, k = 2 * block + 5, 203  # a partial last block; k neither a multiple of 2 nor of a block of rows
     k_pad = 208
@@ -45,9 +71,6 @@ def test_the_blocked_kernel_matches_f_linear_for_every_block_width_and_row_count
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=f"{rows} rows")
 
 
-def test_an_unknown_block_width_is_refused():
-    library = onednn_weights._library()
-    if library is None:
-        pytest.skip("no C compiler")
+def test_an_unknown_block_width_is_refused(library):
     x, out, w = torch.randn(1, 8), torch.empty(1, 24), torch.zeros(24 * 8)
     assert library.blocked_matmul(x.data_ptr(), 1, 8, w.data_ptr(), 0, 24, 8, 24, None, out.data_ptr(), 1, 0) == -1
