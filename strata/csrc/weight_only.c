@@ -148,19 +148,14 @@ static inline __attribute__((always_inline)) void f32_rows_of(const weights_t *w
         y[r] = hsum(_mm256_add_ps(_mm256_add_ps(sum[r][0], sum[r][1]), _mm256_add_ps(sum[r][2], sum[r][3])));
 }
 
-/* One row of x times a float32 weight, its rows two at a time. */
-static void matmul_f32_avx2(const weights_t *w, const float *x, const float *bias, float *out, int num_threads) {
-    const int64_t tasks = (w->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t n1 = (t + 1) * ROWS_PER_TASK < w->n ? (t + 1) * ROWS_PER_TASK : w->n;
-        for (int64_t n = t * ROWS_PER_TASK; n < n1;) {
-            const int r = n + 2 <= n1 ? 2 : 1;
-            float y[2];
-            if (r == 2) f32_rows_of(w, n, x, 2, y);
-            else f32_rows_of(w, n, x, 1, y);
-            for (int i = 0; i < r; i++, n++) out[n] = y[i] + row_tail(w, n, x) + (bias ? bias[n] : 0.f);
-        }
+/* Rows n0..n1 of a float32 weight against one row of x, two at a time. */
+static void f32_rows(const weights_t *w, int64_t n0, int64_t n1, const float *x, const float *bias, float *out) {
+    for (int64_t n = n0; n < n1;) {
+        const int r = n + 2 <= n1 ? 2 : 1;
+        float y[2];
+        if (r == 2) f32_rows_of(w, n, x, 2, y);
+        else f32_rows_of(w, n, x, 1, y);
+        for (int i = 0; i < r; i++, n++) out[n] = y[i] + row_tail(w, n, x) + (bias ? bias[n] : 0.f);
     }
 }
 #endif
@@ -191,6 +186,12 @@ static row_fn row_kernel(int kind, int mc) {
 
 static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float *x, int64_t m_total,
                          const float *xsum, const float *bias, float *out) {
+#if USE_AVX2
+    if (w->kind == KIND_F32 && m_total == 1) { /* two weight rows at a time */
+        f32_rows(w, n0, n1, x, bias, out);
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < m_total;) {
         const int mc = m_total - m0 >= 4 ? 4 : m_total - m0 >= 2 ? 2 : 1;
         const row_fn kernel = row_kernel(w->kind, mc);
@@ -292,12 +293,6 @@ int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *w
 #else
     if (quantized) return matmul_avx512(&w, x, m_total, bias, out, num_threads);
 #endif
-#endif
-#if USE_AVX2
-    if (kind == KIND_F32 && m_total == 1) {
-        matmul_f32_avx2(&w, x, bias, out, num_threads);
-        return 0;
-    }
 #endif
 #if USE_AVX2 && !USE_AVX512
     if (kind == KIND_INT4 && m_total == 1) return matmul_int4_avx2(&w, x, bias, out, num_threads);

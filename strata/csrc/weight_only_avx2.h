@@ -116,6 +116,12 @@ static void int4_round_block(const float *row, int64_t k0, int64_t k1, int64_t b
     }
 }
 
+/* The weight group of value k; a value past K (its products are 0) takes the last group. */
+static inline int32_t group_of_value(const weights_t *w, int64_t k) {
+    const int64_t g = k / w->group_size;
+    return (int32_t)(g < w->groups ? g : w->groups - 1);
+}
+
 static inline int64_t int4_block_end(int64_t b, int64_t stride) {
     return (b + 1) * I4_XBLOCK < stride ? (b + 1) * I4_XBLOCK : stride;
 }
@@ -160,10 +166,7 @@ static int int4_prepare_x(const weights_t *w, const float *x, int4_x_t *p) {
     p->scale = row + padded;
     p->xsum = p->scale + xblocks;
     p->group_of = (int32_t *)(p->xsum + w->groups);
-    for (int64_t b = 0; b < 2 * p->chunks; b++) {
-        const int64_t g = b * BLOCK / w->group_size;
-        p->group_of[b] = (int32_t)(g < w->groups ? g : w->groups - 1); /* a block past K: its products are 0 */
-    }
+    for (int64_t b = 0; b < 2 * p->chunks; b++) p->group_of[b] = group_of_value(w, b * BLOCK);
     for (int d = 0; d < I4_DIGITS; d++) p->digits[d] = (int8_t *)(f + floats) + d * stride;
     p->lift = x_extents(row, xblocks, stride, p->scale); /* the extents wait in p->scale until the lift is known */
     for (int64_t b = 0; b < xblocks; b++)
@@ -315,8 +318,7 @@ static int int8_prepare_x(const weights_t *w, const float *x, int8_x_t *p) {
                                 _mm256_permute4x64_epi64(_mm256_packs_epi32(low[0], low[1]), 0xD8));
             block_sum = _mm256_add_epi32(block_sum, _mm256_add_epi32(v[0], v[1]));
         }
-        const int64_t g = b * I4_XBLOCK / w->group_size;
-        p->group_of[b] = (int32_t)(g < w->groups ? g : w->groups - 1); /* a block past K: its products are 0 */
+        p->group_of[b] = group_of_value(w, b * I4_XBLOCK);
         sums[p->group_of[b]] += (double)scale * hsum_epi32(block_sum);
     }
     for (int64_t g = 0; g < w->groups; g++) p->xsum[g] = (float)sums[g];

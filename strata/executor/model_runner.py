@@ -117,7 +117,9 @@ class ModelRunner:
         gathered decode path reads it (masked). Looked up in Python: numpy's calls on a few block ids cost a
         decode step 0.15 ms once the weights had streamed through the caches."""
         unzeroed = self.unzeroed_blocks
-        fresh = {b for s in requests for b in s.block_ids if unzeroed[b]} | ({0} if unzeroed[0] else set())
+        fresh = {b for s in requests for b in s.block_ids if unzeroed[b]}
+        if unzeroed[0]:
+            fresh.add(0)
         if fresh:
             for b in fresh:
                 unzeroed[b] = 0

@@ -42,7 +42,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         kind = cpu_matmul.dense_kind(weight)
         if kind is not None and cpu_matmul.available():
             y = cpu_matmul.matmul(cpu_matmul.float_rows(x), weight, kind, weight.shape[0], bias=bias)
-            return y if x.dim() == 2 and x.dtype == y.dtype else y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+            return cpu_matmul.like_rows(y, x)
     if widened:
         return cpu_matmul.widened_linear(x, weight, bias)
     if can_pack(weight) and x.dtype == weight.dtype:  # oneDNN also serves a plain weight

@@ -41,6 +41,13 @@ def float_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
 
 
+def like_rows(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A product y [rows, N] of float_rows(x) in x's dtype and leading dimensions (y itself when it already is)."""
+    if x.dim() == 2 and x.dtype == y.dtype:
+        return y
+    return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -87,7 +94,7 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         y = narrow_gemm(rows, weight if weight.stride(1) == 1 else weight.contiguous(), KIND_BF16, weight.shape[0],
                         bias=bias)
-    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    return like_rows(y, x)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

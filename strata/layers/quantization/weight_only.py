@@ -156,4 +156,4 @@ def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor |
     else:
         product = cpu_matmul.matmul if rows.shape[0] <= SMALL_BATCH else cpu_matmul.narrow_gemm
         y = product(rows, w.packed, kind, w.out_features, w.scales, w.zeros, w.effective_group_size, bias)
-    return y if x.dim() == 2 and x.dtype == y.dtype else y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+    return cpu_matmul.like_rows(y, x)
