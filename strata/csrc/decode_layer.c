@@ -2,9 +2,14 @@
    libraries (RMSNorm, linear products, rotary, paged attention, SwiGLU) run in sequence here instead of through a
    dozen Python-level calls each (which cost more than a small layer's arithmetic). The kernels are reached by the
    function pointers Python hands over (`kernels_t`), so each keeps its own library. Called from
-   strata/layers/decode_block.py, float32 activations only; the arithmetic is that of the separate calls. */
+   strata/layers/decode_block.py, float32 activations only; the arithmetic is that of the separate calls.
+   `decode_forward` adds the embedding lookup, the final norm, the LM head and each row's argmax around the layers
+   (strata/layers/decode_forward.py): a single-stage model's whole decode step. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "bf16.h"
 
 typedef int (*weight_only_fn)(const float *, int64_t, int64_t, const void *, int64_t, int, const float *,
                               const float *, int64_t, int64_t, const float *, float *, int64_t, int);
@@ -134,5 +139,70 @@ int decode_layers(const kernels_t *kn, const attention_block_t *attention, const
     }
     if (final_norm)
         kn->rms_norm(out, residual, final_norm, hidden_out, residual, step->tokens, mlp[n - 1].hidden, final_eps, 0);
+    return 0;
+}
+
+/* What a single-stage model adds around its layers: the embedding table (float32 or bfloat16 rows), the rotary
+   cos and sin of every position up to `rope_rows` ([rope_rows, rope_half] each, looked up instead of computed so
+   that they are the values the modules use), the final norm and the LM head. */
+typedef struct {
+    const void *table;
+    int64_t vocab, bf16;
+    const float *rope_cos, *rope_sin;
+    int64_t rope_rows, rope_half;
+    const float *final_norm;
+    float final_eps;
+    linear_t head;
+} decode_model_t;
+
+/* Each row's first largest value, a NaN counting as the largest (torch's and numpy's argmax). */
+static void first_argmax(const float *rows, int64_t t, int64_t n, int64_t *out) {
+    for (int64_t i = 0; i < t; i++) {
+        const float *row = rows + i * n;
+        int64_t best = 0;
+        float top = -INFINITY;
+        for (int64_t v = 0; v < n; v++) {
+            if (isnan(row[v])) {
+                best = v;
+                break;
+            }
+            if (row[v] > top) top = row[v], best = v;
+        }
+        out[i] = best;
+    }
+}
+
+/* A decode step of T tokens through the whole model: logits [T, vocab] and each row's argmax. `step` gives the
+   step's key ranges and slots (its cos and sin are filled here from the tables); scratch holds four [T, hidden]
+   rows (input, residual, attention output, MLP output), the step's cos and sin, then what the layers need.
+   Returns 0, -2 for a token id outside the table, -3 for a position past the rotary tables, or the failing
+   kernel's status. */
+int decode_forward(const kernels_t *kn, const attention_block_t *attention, const mlp_block_t *mlp, int64_t n,
+                   const decode_step_t *step, const decode_model_t *m, const int64_t *token_ids,
+                   const int64_t *positions, float *scratch, float *logits, int64_t *argmax) {
+    const int64_t t = step->tokens, hidden = mlp[0].hidden, half = m->rope_half;
+    float *x = scratch, *residual = x + t * hidden, *attn_out = residual + t * hidden, *out = attn_out + t * hidden;
+    float *cos = out + t * hidden, *sin = cos + t * half, *rest = sin + t * half;
+    for (int64_t i = 0; i < t; i++) {
+        if (token_ids[i] < 0 || token_ids[i] >= m->vocab) return -2;
+        if (positions[i] < 0 || positions[i] >= m->rope_rows) return -3;
+        if (m->bf16) {
+            const uint16_t *row = (const uint16_t *)m->table + token_ids[i] * hidden;
+            for (int64_t j = 0; j < hidden; j++) x[i * hidden + j] = bf16_to_f32(row[j]);
+        } else {
+            memcpy(x + i * hidden, (const float *)m->table + token_ids[i] * hidden, (size_t)hidden * sizeof(float));
+        }
+        memcpy(cos + i * half, m->rope_cos + positions[i] * half, (size_t)half * sizeof(float));
+        memcpy(sin + i * half, m->rope_sin + positions[i] * half, (size_t)half * sizeof(float));
+    }
+    decode_step_t own = *step;
+    own.cos = cos;
+    own.sin = sin;
+    int status = decode_layers(kn, attention, mlp, n, &own, x, residual, 1, rest, attn_out, out, m->final_norm,
+                               m->final_eps);
+    if (status) return status;
+    status = run_linear(kn, &m->head, attn_out, t, logits, (int)step->threads);
+    if (status) return status;
+    first_argmax(logits, t, m->head.n, argmax);
     return 0;
 }

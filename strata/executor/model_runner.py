@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from strata.config import EngineConfig
@@ -17,6 +18,7 @@ from strata.executor.step import GrammarBitmask, ScheduledRequest, SchedulerOutp
 from strata.executor.step_inputs import prepare_step
 from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
+from strata.layers.cpu_attention import BlockZeroer
 from strata.layers.attention import Attention
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import pack_linear_weights
@@ -77,6 +79,7 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.mamba_layers = [m for m in self.model.modules() if isinstance(m, MambaState)]
+        self.encodes_images = pc.is_first_stage and hasattr(self.model, "embed_multimodal")
 
     def _count_weight_bytes(self) -> int:
         """Parameter bytes (a tied tensor once) plus the packed weights quantized layers hold outside parameters."""
@@ -104,6 +107,8 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.empty(shape, dtype=self.config.model.dtype, device=self.device)
             layer.v_cache = torch.empty(shape, dtype=self.config.model.dtype, device=self.device)
+        self.zero_blocks = BlockZeroer.create([c for layer in self.attention_layers
+                                               for c in (layer.k_cache, layer.v_cache)])
         if self.mamba_layers:  # one state slot per schedulable sequence, as the scheduler's SlotPool
             cache = self.config.cache
             nbytes = allocate_states(self.mamba_layers, self.config.scheduler.max_num_seqs, self.config.model.dtype,
@@ -123,6 +128,9 @@ class ModelRunner:
         if fresh:
             for b in fresh:
                 unzeroed[b] = 0
+            if self.zero_blocks is not None:
+                self.zero_blocks(sorted(fresh))
+                return
             index = torch.tensor(sorted(fresh), dtype=torch.int64, device=self.device)
             for layer in self.attention_layers:
                 layer.k_cache.index_fill_(0, index, 0)
@@ -147,8 +155,17 @@ class ModelRunner:
         requests = self._begin_step(out)
         if not requests:
             return RunnerOutput()
-        hidden, meta = self._forward(requests, intermediate)
-        return self._sample(requests, hidden, meta.logits_indices, out.grammar_bitmask)
+        input_ids, positions, meta = self._prepare(requests)
+        embeds = self._multimodal_embeds(requests, input_ids)
+        if embeds is None and intermediate is None and all(s.sample for s in requests):
+            decoded = self.model.decode_logits(input_ids, positions, meta)  # a CPU decode step in one C call
+            if decoded is not None:
+                return self._sample(requests, *decoded, out.grammar_bitmask)
+        hidden = self._forward(input_ids, positions, meta, intermediate, embeds)
+        logits = self.model.compute_logits(hidden[meta.logits_indices]) if any(s.sample for s in requests) else None
+        result = self._sample(requests, logits, None, out.grammar_bitmask)
+        self._prompt_logprobs(requests, hidden, result)
+        return result
 
     @torch.inference_mode()
     def execute_stage(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
@@ -157,19 +174,21 @@ class ModelRunner:
         without requests). `intermediate` is what the previous stage sent (None on the first stage)."""
         assert not self.pc.is_last_stage, "the last stage runs execute"
         requests = self._begin_step(out)
-        return self._forward(requests, intermediate)[0] if requests else None
+        if not requests:
+            return None
+        input_ids, positions, meta = self._prepare(requests)
+        return self._forward(input_ids, positions, meta, intermediate, self._multimodal_embeds(requests, input_ids))
 
     def _begin_step(self, out: SchedulerOutput) -> list[ScheduledRequest]:
         """Update per-request state; the step's requests in the order the batch is laid out (decodes first)."""
         self._update_states(out)
         return sorted(out.requests, key=lambda s: len(s.token_ids) != 1)
 
-    def _forward(self, requests: list[ScheduledRequest], intermediate: IntermediateTensors | None
-                 ) -> tuple[torch.Tensor | IntermediateTensors, ForwardMeta]:
-        input_ids, positions, meta = self._prepare(requests)
-        embeds = self._multimodal_embeds(requests, input_ids)
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
+                 intermediate: IntermediateTensors | None, embeds: torch.Tensor | None
+                 ) -> torch.Tensor | IntermediateTensors:
         extra = {} if embeds is None else {"inputs_embeds": embeds}
-        return self.model(input_ids, positions, meta, intermediate, **extra), meta
+        return self.model(input_ids, positions, meta, intermediate, **extra)
 
     def _prepare(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:
         """(input_ids, positions, ForwardMeta) of a step whose requests come decodes first."""
@@ -184,7 +203,7 @@ class ModelRunner:
                            ) -> torch.Tensor | None:
         """Token embeddings with image features written over their placeholder tokens in this step's chunks
         (first stage of multimodal models only; None when no scheduled token is an image feature)."""
-        if not self.pc.is_first_stage or not hasattr(self.model, "embed_multimodal"):
+        if not self.encodes_images:
             return None
         rows, features, offset = [], [], 0
         for s in requests:
@@ -206,25 +225,26 @@ class ModelRunner:
         embeds[torch.cat(rows)] = torch.cat(features).to(embeds.dtype)
         return embeds
 
-    def _sample(self, requests: list[ScheduledRequest], hidden: torch.Tensor, logits_indices: torch.Tensor,
+    def _sample(self, requests: list[ScheduledRequest], logits: torch.Tensor | None, argmax: np.ndarray | None,
                 bitmask: GrammarBitmask | None = None) -> RunnerOutput:
+        """The sampled token (and its logprobs when asked) of each sampling row; `logits` holds those rows in order,
+        `argmax` (when given) each one's first largest logit."""
         result = RunnerOutput()
         sampling = [i for i, s in enumerate(requests) if s.sample]
-        if sampling:
-            logits = self.model.compute_logits(hidden[logits_indices])
-            rows = []
-            for i in sampling:
-                state = self.states[requests[i].request_id]
-                rows.append(SamplingRow(state.params, state.generator, state.prompt_token_ids,
-                                        state.output_token_ids))
-            sampled = self.sampler(logits, rows, _grammar_rows(bitmask, [requests[i].request_id for i in sampling]))
-            for j, i in enumerate(sampling):
-                request_id = requests[i].request_id
-                result.sampled[request_id] = sampled.token_ids[j]
-                self.states[request_id].output_token_ids.append(sampled.token_ids[j])
-                if sampled.logprobs[j] is not None:
-                    result.logprobs[request_id] = sampled.logprobs[j]
-        self._prompt_logprobs(requests, hidden, result)
+        if not sampling:
+            return result
+        rows = []
+        for i in sampling:
+            state = self.states[requests[i].request_id]
+            rows.append(SamplingRow(state.params, state.generator, state.prompt_token_ids, state.output_token_ids))
+        sampled = self.sampler(logits, rows, _grammar_rows(bitmask, [requests[i].request_id for i in sampling]),
+                               argmax)
+        for j, i in enumerate(sampling):
+            request_id = requests[i].request_id
+            result.sampled[request_id] = sampled.token_ids[j]
+            self.states[request_id].output_token_ids.append(sampled.token_ids[j])
+            if sampled.logprobs[j] is not None:
+                result.logprobs[request_id] = sampled.logprobs[j]
         return result
 
     def _prompt_logprobs(self, requests: list[ScheduledRequest], hidden: torch.Tensor, result: RunnerOutput) -> None:

@@ -20,8 +20,9 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return native.bind("cpu_attention", {"paged_decode_attention": (
-        [PTR] * 6 + [I64] * 6 + [F32, PTR, I32, I32, PTR, PTR, I64, PTR], I32)})
+    return native.bind("cpu_attention", {
+        "paged_decode_attention": ([PTR] * 6 + [I64] * 6 + [F32, PTR, I32, I32, PTR, PTR, I64, PTR], I32),
+        "zero_blocks": ([PTR, I64, PTR, I64, I64], None)})
 
 
 def prepare() -> bool:
@@ -63,3 +64,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if status != 0:
         raise MemoryError("CPU attention kernel could not allocate its scratch memory")
     return out
+
+
+class BlockZeroer:
+    """Zeroes KV blocks of every layer's caches (contiguous [blocks, ...] CPU tensors) in one C call: a step's
+    index_fill_ per layer and cache cost 1-2 ms at each block boundary once the weights had streamed through the
+    caches. `create` gives None when the kernel cannot serve them (index_fill_ then)."""
+
+    def __init__(self, caches: list[torch.Tensor]) -> None:
+        self.caches = caches  # kept: the C call writes through their addresses
+        self.addresses = (ctypes.c_void_p * len(caches))(*(c.data_ptr() for c in caches))
+        self.block_bytes = caches[0][0].numel() * caches[0].element_size()
+
+    @staticmethod
+    def create(caches: list[torch.Tensor]) -> BlockZeroer | None:
+        if not caches or _library() is None or any(
+                c.device.type != "cpu" or not c.is_contiguous() or c.shape[1:] != caches[0].shape[1:]
+                or c.dtype != caches[0].dtype for c in caches):
+            return None
+        return BlockZeroer(caches)
+
+    def __call__(self, blocks: list[int]) -> None:
+        ids = (ctypes.c_int64 * len(blocks))(*blocks)
+        _library().zero_blocks(self.addresses, len(self.caches), ids, len(blocks), self.block_bytes)

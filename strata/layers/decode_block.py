@@ -58,7 +58,9 @@ def _library() -> ctypes.CDLL | None:
         "attention_block": (blocks + [ctypes.c_int, PTR, PTR], ctypes.c_int),
         "mlp_block": (blocks + [PTR, PTR], ctypes.c_int),
         "decode_layers": ([ctypes.POINTER(_Kernels), PTR, PTR, I64, ctypes.POINTER(_Step), PTR, PTR, ctypes.c_int,
-                           PTR, PTR, PTR, PTR, ctypes.c_float], ctypes.c_int)})
+                           PTR, PTR, PTR, PTR, ctypes.c_float], ctypes.c_int),
+        "decode_forward": ([ctypes.POINTER(_Kernels), PTR, PTR, I64, ctypes.POINTER(_Step), PTR, PTR, PTR, PTR, PTR,
+                            PTR], ctypes.c_int)})
 
 
 @functools.cache
@@ -116,6 +118,12 @@ def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list
                    row_bytes=weight.stride(0) * weight.element_size(), kind=kind), small_batch_rows(weight)
 
 
+def _is_decode_step(meta: object, rows: int) -> bool:
+    """A step of `rows` decodes and no prefill, on the plain-torch attention path."""
+    return isinstance(meta, AttentionMetadata) and meta.kernels == "torch" and not meta.prefills \
+        and meta.num_decodes == rows and meta.slot_mapping.dtype == torch.int64
+
+
 class _Plan:
     """The two blocks of one layer, described once (after loading and packing: the weights no longer move)."""
 
@@ -141,15 +149,18 @@ class FusedDecodeLayer:
     def serves(self, x: torch.Tensor, meta: object) -> bool:
         if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             return False
-        if not isinstance(meta, AttentionMetadata) or meta.kernels != "torch" or meta.prefills \
-                or meta.num_decodes != x.shape[0] or meta.slot_mapping.dtype != torch.int64:
+        return self.serves_rows(x.shape[0], meta)
+
+    def serves_rows(self, rows: int, meta: object) -> bool:
+        """Whether a decode step of `rows` float32 CPU rows can take it (described on first use)."""
+        if not _is_decode_step(meta, rows):
             return False
         k_cache = self.layer.self_attn.attn.k_cache
         if k_cache is None:
             return False
         if self._plan is False or (self._plan is not None and not self._plan.current):
             self._plan = self._describe()  # the first decode, or a cache bound anew
-        return self._plan is not None and x.shape[0] <= self._plan.max_rows
+        return self._plan is not None and rows <= self._plan.max_rows
 
     def _describe(self) -> _Plan | None:
         layer = self.layer
@@ -216,15 +227,22 @@ def _step(meta: AttentionMetadata, attn_module: torch.nn.Module, positions: torc
     cached = meta._masks.get(key)
     need = _scratch_floats(plan, tokens)
     if cached is None or cached[1].numel() < need:
-        tables, first_keys, seq_lens = meta.decode_key_ranges(attn.sliding_window, attn.chunk_size)
         cos, sin = attn_module.rotary._step_cos_sin(positions, torch.float32)
-        scratch = torch.empty(need, dtype=torch.float32)
-        step = _Step(tokens=tokens, max_blocks=tables.shape[1], cos=cos.data_ptr(), sin=sin.data_ptr(),
-                     block_tables=tables.data_ptr(), first_keys=first_keys.data_ptr(), seq_lens=seq_lens.data_ptr(),
-                     slots=meta.slot_mapping.data_ptr(), threads=torch.get_num_threads())
-        cached = (ctypes.byref(step), scratch, step, (cos, sin, tables, first_keys, seq_lens))
+        step, keep = step_description(meta, attn, tokens, cos, sin)
+        cached = (ctypes.byref(step), torch.empty(need, dtype=torch.float32), step, keep)
         meta._masks[key] = cached
     return cached[0], cached[1]
+
+
+def step_description(meta: AttentionMetadata, attn: torch.nn.Module, tokens: int, cos: torch.Tensor | None = None,
+                     sin: torch.Tensor | None = None) -> tuple[_Step, tuple]:
+    """A decode step's key ranges, slots and rotary cos/sin as the C blocks read them (cos/sin left for the callee
+    when None), and the tensors it points into."""
+    tables, first_keys, seq_lens = meta.decode_key_ranges(attn.sliding_window, attn.chunk_size)
+    step = _Step(tokens=tokens, max_blocks=tables.shape[1], cos=_ptr(cos), sin=_ptr(sin),
+                 block_tables=tables.data_ptr(), first_keys=first_keys.data_ptr(), seq_lens=seq_lens.data_ptr(),
+                 slots=meta.slot_mapping.data_ptr(), threads=torch.get_num_threads())
+    return step, (cos, sin, tables, first_keys, seq_lens, meta.slot_mapping)
 
 
 def _scratch_floats(plan: _Plan, tokens: int) -> int:
@@ -246,38 +264,47 @@ class FusedDecodeStack:
         self.final_norm = final_norm
         self.fused = [getattr(layer, "fused_decode", None) for layer in layers]
         self.enabled = bool(self.fused) and all(f is not None for f in self.fused)
-        self._arrays: tuple | None = None  # the layers' blocks as C arrays, for the plans they were made of
+        self._arrays: tuple | None = None  # (plans, their blocks as C arrays, the widest plan, the fewest rows)
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                  meta: object) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(output, residual) of the last layer, its output through the final norm when there is one (the residual
         then spent), or None when the step takes the per-layer path."""
-        if not self.enabled or not self.fused[0].serves(x, meta):
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             return None
-        plans = [f._plan for f in self.fused]
-        if any(p is False or (p is not None and not p.current) for p in plans):  # the first decode, caches anew
-            plans = [f._plan if f.serves(x, meta) else None for f in self.fused]
-        if any(p is None or x.shape[0] > p.max_rows for p in plans):
+        blocks = self.blocks(x.shape[0], meta)
+        if blocks is None:
             return None
-        if self._arrays is None or any(a is not b for a, b in zip(self._arrays[0], plans, strict=True)):
-            self._arrays = self._describe(plans)
-            if self._arrays is None:
-                self.enabled = False
-                return None
-        _, attention, mlp, widest = self._arrays
+        attention, mlp, widest = blocks
         step, scratch = _step(meta, self.fused[0].layer.self_attn, positions, x.shape[0], widest)
         first = residual is None
         if first:
             residual = torch.empty_like(x)
         hidden, out = torch.empty_like(x), torch.empty_like(x)
         norm = self.final_norm
-        status = _library().decode_layers(_kernels(), attention, mlp, len(plans), step, x.data_ptr(),
+        status = _library().decode_layers(_kernels(), attention, mlp, len(self.fused), step, x.data_ptr(),
                                           residual.data_ptr(), int(first), scratch.data_ptr(), hidden.data_ptr(),
                                           out.data_ptr(), None if norm is None else norm.weight.data_ptr(),
                                           0.0 if norm is None else norm.eps)
         if status:
             raise MemoryError("decode layers could not allocate their scratch memory")
         return (out, residual) if norm is None else (hidden, residual)
+
+    def blocks(self, rows: int, meta: object) -> tuple | None:
+        """(attention blocks, MLP blocks, the plan needing the most scratch) as C arrays for a decode step of `rows`
+        float32 CPU rows, or None when the step takes the per-layer path."""
+        if not self.enabled or not _is_decode_step(meta, rows):
+            return None
+        arrays = self._arrays
+        if arrays is None or not all(p.current for p in arrays[0]):  # the first decode, or caches bound anew
+            plans = [f._plan if f.serves_rows(rows, meta) else None for f in self.fused]
+            if any(p is None for p in plans):
+                return None
+            self._arrays = arrays = self._describe(plans)
+            if arrays is None:
+                self.enabled = False
+                return None
+        return arrays[1:4] if rows <= arrays[4] else None
 
     def _describe(self, plans: list[_Plan]) -> tuple | None:
         """The plans' blocks as C arrays, or None when the layers need the per-layer path (tensor parallelism's
@@ -291,4 +318,5 @@ class FusedDecodeStack:
             return None
         attention = (_AttentionBlock * len(plans))(*(p.attention for p in plans))
         mlp = (_MlpBlock * len(plans))(*(p.mlp for p in plans))
-        return plans, attention, mlp, max(plans, key=lambda p: _scratch_floats(p, 1))
+        widest = max(plans, key=lambda p: _scratch_floats(p, 1))
+        return plans, attention, mlp, widest, min(p.max_rows for p in plans)

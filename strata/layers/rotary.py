@@ -70,10 +70,19 @@ class RotaryEmbedding(nn.Module):
         # The step's positions and dtype, its cos/sin, and (once asked for) its half-split tables.
         self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._last_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._float_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+    def float_tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin [n, head_dim / 2] of positions 0..n-1, n >= rows: `cos_sin`'s values, to look up
+        (grown by doubling, so a long generation computes them a few times)."""
+        have = 0 if self._float_tables is None else self._float_tables[0].shape[0]
+        if have < rows:
+            self._float_tables = self.cos_sin(torch.arange(max(rows, 2 * have, 256)), torch.float32)
+        return self._float_tables
 
     def _step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos_sin`, computed once per positions tensor: a model shares one instance among its layers, so once

@@ -10,12 +10,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
 from strata.config import HFConfig, ModelConfig
 from strata.distributed import IntermediateTensors, ParallelContext, pp_layer_range
 from strata.layers.decode_block import FusedDecodeStack
+from strata.layers.decode_forward import FusedDecodeForward
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
@@ -85,6 +87,7 @@ class CausalLM(nn.Module):
             quantize_linears(self, config.quant_config, self.stacked_params, checkpoint_prefix)
         self.decode_stack = FusedDecodeStack(list(self.get_submodule(names.layers)[self.start:self.end]),
                                              self._final_norm())
+        self.decode_forward = self._decode_forward()
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder layer `index` (global), called only for this stage's layers."""
@@ -99,6 +102,23 @@ class CausalLM(nn.Module):
         if not self.pc.is_last_stage or type(self).finish is not CausalLM.finish:
             return None
         return self.get_submodule(self.names.norm)
+
+    def _decode_forward(self) -> FusedDecodeForward | None:
+        """The whole-step decode call, for a single-stage model whose embedding, `forward`'s ends and LM head are
+        CausalLM's own."""
+        cls = type(self)
+        if not (self.pc.is_first_stage and self.pc.is_last_stage) or self.decode_stack.final_norm is None \
+                or (cls.embed_input_ids, cls.compute_logits) != (CausalLM.embed_input_ids, CausalLM.compute_logits):
+            return None
+        return FusedDecodeForward(self.decode_stack, self.get_submodule(self.names.embedding), self.lm_head)
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta
+                      ) -> tuple[torch.Tensor, np.ndarray] | None:
+        """A decode step's logits (valid until the next step) and each row's argmax from one C call on CPU, or None
+        when the step takes `forward` and `compute_logits`."""
+        if self.decode_forward is None:
+            return None
+        return self.decode_forward(input_ids, positions, self.layer_context(meta))
 
     def finish(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output and residual stream -> final hidden states."""

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from strata.executor.step import ScheduledRequest
-from strata.executor.step_inputs import copy_to_device, one_transfer, prepare_step
+from strata.executor.step_inputs import copy_to_device, decode_arrays, one_transfer, prepare_step, step_arrays
 
 
 def scheduled(request_id: str, tokens: list[int], computed: int, blocks: list[int], slot: int,
@@ -60,3 +60,20 @@ def test_torch_step_metadata_gathers_continued_contexts():
     assert meta.mamba is None and meta.attn.prefill_block_tables is None
     _, _, shuffled = prepare_step([STEP[1], STEP[0]], 4, torch.device("cpu"), "torch", True, [None] * 2)
     assert shuffled.mamba.decode_span is None  # slots 5, 4 are not ascending
+
+
+def test_a_decode_only_step_gets_the_general_construction_s_arrays():
+    rng = np.random.default_rng(0)
+    for trial in range(50):
+        requests = []
+        for i in range(int(rng.integers(1, 6))):
+            computed = int(rng.integers(0, 40))
+            blocks = [int(b) for b in rng.permutation(64)[:computed // 4 + 1 + int(rng.integers(0, 3))]]
+            requests.append(scheduled(f"r{i}", [int(rng.integers(0, 100))], computed, blocks, i,
+                                      sample=bool(rng.integers(0, 4))))
+        fast = decode_arrays(requests, 4)
+        general = step_arrays(requests, 4, len(requests), False, False, 16)
+        assert fast.keys() == general.keys()
+        for name in fast:
+            assert fast[name].dtype == np.int64 and fast[name].shape == general[name].shape, (trial, name)
+            assert np.array_equal(fast[name], general[name]), (trial, name)

@@ -117,3 +117,21 @@ def test_a_decode_step_writes_its_keys_and_reads_the_cache_in_one_call(dtype):
         torch.testing.assert_close(fused.float(), expected.bfloat16().float(), atol=0, rtol=2 ** -7)
     else:
         torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_block_zeroer_clears_exactly_the_given_blocks_of_every_cache():
+    caches = [torch.full((6, 4, 2, 8), float("nan"), dtype=dtype) for dtype in (torch.float32,) * 3]
+    zeroer = cpu_attention.BlockZeroer.create(caches)
+    zeroer([0, 4, 2])
+    for c in caches:
+        assert (c[[0, 2, 4]] == 0).all() and c[[1, 3, 5]].isnan().all()
+    bf16 = [torch.full((3, 4, 2, 8), float("nan"), dtype=torch.bfloat16)]
+    cpu_attention.BlockZeroer.create(bf16)([1])
+    assert (bf16[0][1] == 0).all() and bf16[0][[0, 2]].isnan().all()
+
+
+def test_block_zeroer_refuses_caches_it_cannot_address_alike():
+    assert cpu_attention.BlockZeroer.create([]) is None
+    assert cpu_attention.BlockZeroer.create([torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 4)]) is None
+    assert cpu_attention.BlockZeroer.create([torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8).bfloat16()]) is None
+    assert cpu_attention.BlockZeroer.create([torch.zeros(4, 8, 2, 4).transpose(1, 2)]) is None

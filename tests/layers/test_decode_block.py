@@ -8,6 +8,7 @@ from checkpoints import make_llama
 from strata import LLM, SamplingParams
 from strata.layers import decode_block
 from strata.layers.decode_block import FusedDecodeLayer, FusedDecodeStack
+from strata.layers.decode_forward import FusedDecodeForward
 
 PROMPTS = [{"prompt_token_ids": list(range(3 + i, 9 + 3 * i))} for i in range(3)]
 
@@ -18,10 +19,16 @@ def llama_with_biases(tmp_path_factory):
 
 
 def _spy(monkeypatch) -> list[bool]:
-    served, original = [], FusedDecodeLayer.serves
-    monkeypatch.setattr(FusedDecodeLayer, "serves", lambda self, x, meta: served.append(original(self, x, meta))
-                        or served[-1])
+    served, original = [], FusedDecodeLayer.serves_rows
+    monkeypatch.setattr(FusedDecodeLayer, "serves_rows", lambda self, rows, meta: served.append(
+        original(self, rows, meta)) or served[-1])
     return served
+
+
+def _count_served(monkeypatch, cls: type) -> list:
+    calls, original = [], cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, *args: calls.append(original(self, *args)) or calls[-1])
+    return calls
 
 
 def _generate(llm: LLM, n: int) -> list:
@@ -30,24 +37,26 @@ def _generate(llm: LLM, n: int) -> list:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("stacked", [True, False])
-def test_fused_decode_gives_the_modules_tokens_and_logprobs_exactly(llama_with_biases, monkeypatch, batch, stacked):
-    """Both fused paths: all layers in one call (the stack), and one call per block (its fallback)."""
+@pytest.mark.parametrize("path", ["whole step", "stack", "blocks"])
+def test_fused_decode_gives_the_modules_tokens_and_logprobs_exactly(llama_with_biases, monkeypatch, batch, path):
+    """Each fused path: the whole step in one call (embedding to argmax), all layers in one call (the stack), and one
+    call per block (the stack's fallback)."""
     if decode_block._library() is None or decode_block._kernels() is None:
         pytest.skip("no C compiler")
     llm = LLM(str(llama_with_biases), device="cpu")
     try:
-        served, stack_steps, original = _spy(monkeypatch), [], FusedDecodeStack.__call__
-        if stacked:
-            monkeypatch.setattr(FusedDecodeStack, "__call__", lambda self, *args: stack_steps.append(
-                original(self, *args)) or stack_steps[-1])
-        else:
+        served = _spy(monkeypatch)
+        whole, stacked = _count_served(monkeypatch, FusedDecodeForward), _count_served(monkeypatch, FusedDecodeStack)
+        if path != "whole step":
+            monkeypatch.setattr(FusedDecodeForward, "__call__", lambda self, *args: None)
+        if path == "blocks":
             monkeypatch.setattr(FusedDecodeStack, "__call__", lambda self, *args: None)
         fused = _generate(llm, batch)
         assert served and all(served[len(served) // 2:])  # every layer of the decode steps took it
-        if stacked:  # the 11 decode steps (a prefill goes through the modules)
-            assert sum(s is not None for s in stack_steps) == 11
-        monkeypatch.setattr(FusedDecodeLayer, "serves", lambda self, x, meta: False)
+        taken = {"whole step": whole, "stack": stacked, "blocks": []}[path]
+        if path != "blocks":  # the 11 decode steps (a prefill goes through the modules)
+            assert sum(s is not None for s in taken) == 11
+        monkeypatch.setattr(FusedDecodeLayer, "serves_rows", lambda self, rows, meta: False)
         plain = _generate(llm, batch)
     finally:
         llm.shutdown()
