@@ -89,7 +89,8 @@ def decode_arrays(requests: Sequence[ScheduledRequest], block_size: int) -> dict
     for i, s in enumerate(requests):
         ids = s.block_ids[:width]
         tables[i, :len(ids)] = ids
-    slots = [s.block_ids[p // block_size] * block_size + p % block_size for s, p in zip(requests, positions)]
+    slots = [s.block_ids[p // block_size] * block_size + p % block_size
+             for s, p in zip(requests, positions, strict=True)]
     positions = np.array(positions, dtype=np.int64)
     return {"input_ids": np.array([s.token_ids[0] for s in requests], dtype=np.int64), "positions": positions,
             "slot_mapping": np.array(slots, dtype=np.int64), "decode_block_tables": tables,
