@@ -121,7 +121,8 @@ def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list
 def _is_decode_step(meta: object, rows: int) -> bool:
     """A step of `rows` decodes and no prefill, on the plain-torch attention path."""
     return isinstance(meta, AttentionMetadata) and meta.kernels == "torch" and not meta.prefills \
-        and meta.num_decodes == rows and meta.slot_mapping.dtype == torch.int64
+        and meta.num_decodes == rows and meta.slot_mapping.dtype == torch.int64 \
+        and meta.slot_mapping.device.type == "cpu"
 
 
 class _Plan:

@@ -88,7 +88,7 @@ class FusedDecodeForward:
             return None
         keep: dict = {"tensors": [table, norm.weight]}
         described = describe_linear(head, None, keep["tensors"])
-        if described is None or described[0].n != self.embedding.vocab_size:
+        if described is None or described[0].n != self.embedding.vocab_size or described[0].k != table.shape[1]:
             return None
         rope = self.stack.fused[0].layer.self_attn.rotary
         model = _Model(table=table.data_ptr(), vocab=table.shape[0], bf16=_TABLE_DTYPES[table.dtype], rope_cos=None,

@@ -106,9 +106,9 @@ class CausalLM(nn.Module):
     def _decode_forward(self) -> FusedDecodeForward | None:
         """The whole-step decode call, for a single-stage model whose embedding, `forward`'s ends and LM head are
         CausalLM's own."""
-        cls = type(self)
+        cls, own = type(self), (CausalLM.forward, CausalLM.embed_input_ids, CausalLM.compute_logits)
         if not (self.pc.is_first_stage and self.pc.is_last_stage) or self.decode_stack.final_norm is None \
-                or (cls.embed_input_ids, cls.compute_logits) != (CausalLM.embed_input_ids, CausalLM.compute_logits):
+                or (cls.forward, cls.embed_input_ids, cls.compute_logits) != own:
             return None
         return FusedDecodeForward(self.decode_stack, self.get_submodule(self.names.embedding), self.lm_head)
 

@@ -3,6 +3,7 @@ only the steps and layers their kernels can take."""
 from __future__ import annotations
 
 import pytest
+import torch
 from checkpoints import make_llama
 
 from strata import LLM, SamplingParams
@@ -75,3 +76,30 @@ def test_prefill_steps_and_batches_past_the_kernels_keep_the_modules_path(llama_
     finally:
         llm.shutdown()
     assert served and not any(served)
+
+
+def test_the_whole_step_reads_a_bfloat16_tied_table_and_grows_its_rotary_tables(tmp_path, monkeypatch):
+    """A bfloat16 checkpoint (float32 compute, weights kept in bfloat16) with a tied head and llama3 rope scaling,
+    decoding across position 256, where the rotary tables it looks up first end."""
+    if decode_block._library() is None or decode_block._kernels() is None:
+        pytest.skip("no C compiler")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    path = make_llama(tmp_path / "bf16", tied=True, dtype=torch.bfloat16, rope_scaling=scaling, num_layers=2)
+    prompts = [{"prompt_token_ids": [(7 * i) % 300 + 2 for i in range(250)]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    llm = LLM(str(path), device="cpu", enable_prefix_caching=False)  # both runs prefill the whole prompt alike
+    try:
+        whole = _count_served(monkeypatch, FusedDecodeForward)
+        fused = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+        assert sum(s is not None for s in whole) == 11
+        model = llm.engine.executor.runner.model.model
+        assert model.embed_tokens.weight.dtype == torch.bfloat16
+        assert model.layers[0].self_attn.rotary.float_tables(1)[0].shape[0] == 512  # grown once, past 256
+        monkeypatch.setattr(FusedDecodeLayer, "serves_rows", lambda self, rows, meta: False)
+        plain = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert fused.token_ids == plain.token_ids
+    for la, lb in zip(fused.logprobs, plain.logprobs, strict=True):
+        assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}

@@ -1,6 +1,7 @@
 """The sampler against plain reference computations of each rule."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from strata.layers.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p, greedy
@@ -130,3 +131,20 @@ def test_grammar_bitmask_constrains_only_its_rows_before_logprobs():
     assert out.token_ids[1] == logits[1].argmax().item()  # unconstrained row untouched
     assert set(out.logprobs[0].top_ids) == set(allowed[0])  # logprobs of the constrained distribution
     assert out.logprobs[2].logprob == 0.0
+
+
+def test_a_given_argmax_serves_plain_greedy_rows_and_is_ignored_once_the_logits_change():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(0))
+    given = np.array([7, 11])  # no argmax of these logits, plain or changed: shows which rows trusted it
+    assert sampler()(logits, [row(temperature=0)] * 2, argmax=given).token_ids == [7, 11]
+    out = sampler()(logits, [row(temperature=0, logprobs=2)] * 2, argmax=given)
+    assert out.token_ids == [7, 11] and out.logprobs[0].logprob == logits.log_softmax(-1)[0, 7].item()
+    penalized = [row(temperature=0, presence_penalty=1.5, output=[3]), row(temperature=0)]
+    expected = apply_penalties(logits, penalized).argmax(-1).tolist()
+    assert sampler()(logits, penalized, argmax=given).token_ids == expected
+    best = logits.argmax(-1).tolist()
+    masked = logits.clone()
+    masked[:, best] = float("-inf")
+    rows = [row(temperature=0, min_tokens=2, stop_token_ids=best)] * 2
+    assert sampler()(logits.clone(), rows, argmax=given).token_ids == masked.argmax(-1).tolist()
+    assert not {7, 11} & {*best, *expected, *masked.argmax(-1).tolist()}
