@@ -125,5 +125,6 @@ int paged_decode_attention(const void *q, void *k_cache, void *v_cache, const in
 void zero_blocks(void *const *caches, int64_t n_caches, const int64_t *blocks, int64_t n_blocks,
                  int64_t block_bytes) {
     for (int64_t c = 0; c < n_caches; c++)
-        for (int64_t b = 0; b < n_blocks; b++) memset((char *)caches[c] + blocks[b] * block_bytes, 0, (size_t)block_bytes);
+        for (int64_t b = 0; b < n_blocks; b++)
+            memset((char *)caches[c] + blocks[b] * block_bytes, 0, (size_t)block_bytes);
 }

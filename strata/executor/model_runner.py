@@ -125,16 +125,18 @@ class ModelRunner:
         fresh = {b for s in requests for b in s.block_ids if unzeroed[b]}
         if unzeroed[0]:
             fresh.add(0)
-        if fresh:
-            for b in fresh:
-                unzeroed[b] = 0
-            if self.zero_blocks is not None:
-                self.zero_blocks(sorted(fresh))
-                return
-            index = torch.tensor(sorted(fresh), dtype=torch.int64, device=self.device)
-            for layer in self.attention_layers:
-                layer.k_cache.index_fill_(0, index, 0)
-                layer.v_cache.index_fill_(0, index, 0)
+        if not fresh:
+            return
+        for b in fresh:
+            unzeroed[b] = 0
+        blocks = sorted(fresh)
+        if self.zero_blocks is not None:  # CPU caches: one C call
+            self.zero_blocks(blocks)
+            return
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        for layer in self.attention_layers:
+            layer.k_cache.index_fill_(0, index, 0)
+            layer.v_cache.index_fill_(0, index, 0)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_request_ids:

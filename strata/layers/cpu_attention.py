@@ -67,9 +67,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 class BlockZeroer:
-    """Zeroes KV blocks of every layer's caches (contiguous [blocks, ...] CPU tensors) in one C call: a step's
-    index_fill_ per layer and cache cost 1-2 ms at each block boundary once the weights had streamed through the
-    caches. `create` gives None when the kernel cannot serve them (index_fill_ then)."""
+    """Zeroes KV blocks of every layer's caches (contiguous [blocks, ...] CPU tensors) in one C call instead of an
+    index_fill_ per layer and cache (a batch-1 decode of a 16-layer model: 0.11 ms a step on average before, 0.08
+    after, the rest being the lookup of fresh blocks). `create` gives None when the kernel cannot serve them."""
 
     def __init__(self, caches: list[torch.Tensor]) -> None:
         self.caches = caches  # kept: the C call writes through their addresses

@@ -69,7 +69,7 @@ class FusedDecodeForward:
         if status == -2:
             raise IndexError(f"a token id of {input_ids.tolist()} is outside the vocabulary of {model.vocab}")
         if status:
-            raise MemoryError("the decode step could not allocate its scratch memory")
+            raise MemoryError(f"the decode step could not allocate its scratch memory (status {status})")
         return logits, argmax
 
     def _bind_rope(self, rows: int) -> None:
