@@ -9,6 +9,7 @@ from strata.bench.latency import add_latency_args
 from strata.bench.throughput import add_throughput_args
 from strata.engine_args import EngineArgs, byte_size
 from strata.errors import StrataError
+from strata.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     serve = verbs.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: built-in strata-demo)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="checkpoint folder, .gguf file, Hub ID (ORG/NAME, or ORG/NAME:QUANT for a GGUF file) "
+                            "(default: built-in strata-demo)")
     serve.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -36,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "error (a second signal exits at once)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let chat requests use tool_choice "auto" (needs --tool-call-parser)')
-    serve.add_argument("--tool-call-parser", default=None, choices=["llama3_json", "llama4_pythonic", "hermes"],
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how tool calls are found in model output: llama3_json (Llama 3.1/3.2), "
-                            "llama4_pythonic (Llama 4), hermes (Qwen, Hermes)")
+                            "llama4_pythonic (Llama 4), hermes (Qwen, Hermes), mistral, granite")
     EngineArgs.add_cli_args(serve)
 
     bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -48,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_serve_args(bench_serve)
 
     plan = verbs.add_parser("plan", help="show the per-rank layout of a TP x PP plan without starting workers")
-    plan.add_argument("model")
+    plan.add_argument("model", help="checkpoint folder, .gguf file or Hub ID")
     EngineArgs.add_cli_args(plan)
     return parser
 
@@ -64,7 +67,7 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=0, help="tokens (or words) of a shared prefix before each prompt")
     p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (with --prefix-len)")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--tokenizer", default=None, help="checkpoint folder whose tokenizer builds the prompts")
+    p.add_argument("--tokenizer", default=None, help="checkpoint folder or Hub ID whose tokenizer builds the prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens (vLLM extension)")

@@ -16,8 +16,14 @@ from strata import model_registry as registry
 from strata.distributed import pp_partition
 from strata.engine_args import KERNELS, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
 from strata.errors import ConfigError
+from strata.gguf.config import hf_config as gguf_hf_config
+from strata.gguf.reader import GGUFModel
+from strata.gguf.weights import blocked_types
 from strata.hf_config import HFConfig
-from strata.quant_config import QuantConfig, parse_quant_config
+from strata.model_source import ModelSource, resolve_model
+from strata.quant_config import GGUFQuantConfig, QuantConfig, parse_quant_config
+from strata.reasoning import REASONING_PARSERS
+from strata.speculative_config import SpeculativeConfig, check_target, parse_speculative_config
 from strata.tp_rules import check_quant_tp, check_tp, check_vision_tp, num_routed_experts
 
 logger = logging.getLogger(__name__)
@@ -86,6 +92,14 @@ def resolve_kernels(kernels: str, device: str) -> str:
     return kernels
 
 
+def resolve_source(args: EngineArgs) -> ModelSource:
+    """Where `args.model`'s files are: a local path as it is, a Hub ID downloaded (only what strata reads) with
+    --revision, --download-dir, --hf-token; --gguf-file and --tokenizer resolved alike."""
+    return resolve_model(args.model, revision=args.revision, tokenizer=args.tokenizer,
+                         tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir,
+                         hf_token=args.hf_token, gguf_file=args.gguf_file)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
@@ -94,9 +108,26 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     quantization: str | None = None  # experts_int8, or the checkpoint's quantization method
-    quant_config: QuantConfig | None = None  # how the checkpoint's linear layers are stored
+    quant_config: QuantConfig | GGUFQuantConfig | None = None  # how the checkpoint's linear layers are stored
     # Linear weights and embedding tables stored narrower than `dtype` (see auto_compute_dtype), or None.
     weight_dtype: torch.dtype | None = None
+    # Where the files are (what the user named, GGUF files, an explicit tokenizer); `path` is its folder.
+    source: ModelSource | None = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The folder the tokenizer loads from: --tokenizer's when given, else the checkpoint's."""
+        return (self.source.tokenizer if self.source else None) or self.path
+
+    @property
+    def tokenizer_gguf_file(self) -> str | None:
+        """The GGUF file whose metadata holds the tokenizer, unless --tokenizer names another."""
+        return self.gguf_files[0] if self.gguf_files and not self.source.tokenizer else None
+
+    @property
+    def gguf_files(self) -> tuple[str, ...]:
+        """Local GGUF files (all split parts, in order); () for a safetensors checkpoint."""
+        return self.source.gguf_files if self.source else ()
 
     @property
     def text_config(self) -> HFConfig:
@@ -127,17 +158,19 @@ class ModelConfig:
         return set(eos) if isinstance(eos, list) else {eos}
 
     @classmethod
-    def from_path(cls, path: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
+    def from_path(cls, path: str | ModelSource, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                   quantization: str | None = None) -> ModelConfig:
-        folder = Path(path)
-        if not (folder / "config.json").is_file():
-            raise ConfigError(f"model {path!r} is not a folder with a config.json "
-                              "(strata loads local Hugging Face checkpoints; nothing is downloaded)",
-                              param="model")
-        hf = HFConfig(json.loads((folder / "config.json").read_text()))
-        architectures = hf.get("architectures") or []
-        architecture = architectures[0] if architectures else None
-        registry.lookup(architecture)
+        """From a local checkpoint folder, or a resolved ModelSource (see strata.model_source.resolve_model)."""
+        source = path if isinstance(path, ModelSource) else ModelSource(str(path), str(path))
+        folder = Path(source.folder)
+        gguf_quant = None
+        if source.gguf_files:  # the metadata is the config.json; the tensors' types, how layers store them
+            hf, gguf_quant = _gguf_checkpoint(source.gguf_files, quantization)
+        elif not (folder / "config.json").is_file():
+            raise ConfigError(f"model {source.model!r} is not a folder with a config.json", param="model")
+        else:
+            hf = HFConfig(json.loads((folder / "config.json").read_text()))
+        architecture = registry.architecture_of(hf)
         text = hf.get("text_config") or hf
         checkpoint_dtype = hf.get("torch_dtype", hf.get("dtype", text.get("torch_dtype", text.get("dtype"))))
         derived_len = text.get("max_position_embeddings", 2048)
@@ -148,9 +181,18 @@ class ModelConfig:
         elif max_model_len > derived_len:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                            max_model_len, derived_len)
-        quant = parse_quant_config(hf._values.get("quantization_config"), quantization)
+        quant = gguf_quant or parse_quant_config(hf._values.get("quantization_config"), quantization)
         return cls(str(folder), hf, architecture, parse_dtype(dtype, checkpoint_dtype), max_model_len,
-                   quant.method if quant else quantization, quant)
+                   quant.method if quant else quantization, quant, source=source)
+
+
+def _gguf_checkpoint(files: tuple[str, ...], quantization: str | None) -> tuple[HFConfig, GGUFQuantConfig]:
+    """A GGUF model's config.json (from its metadata) and which of its tensors stay in ggml blocks."""
+    if quantization not in (None, "gguf"):
+        raise ConfigError(f"quantization={quantization!r} was asked for, but {files[0]} is a GGUF file (its tensors "
+                          "keep their own ggml types); leave quantization unset", param="quantization")
+    gguf = GGUFModel(files)
+    return HFConfig(gguf_hf_config(gguf)), GGUFQuantConfig(blocked_types(gguf))
 
 
 @dataclass(frozen=True)
@@ -189,10 +231,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    """Grammar-constrained decoding: how long a grammar may compile, and the whitespace JSON may use."""
+    """Grammar-constrained decoding: how long a grammar may compile, the whitespace JSON may use, and the
+    reasoning parser whose end of thinking a grammar waits for (None: grammars constrain from the first token)."""
 
     timeout_s: float = 10.0
     max_whitespace: int = 2  # whitespace characters allowed between JSON tokens; -1: any
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +251,7 @@ class EngineConfig:
     chat_template: str | None = None
     kernels: str = "torch"  # resolved: "torch" or "triton"
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None  # speculative decoding, when asked for
 
     @classmethod
     def create(cls, model: str, *, served_model_name: str | list[str] | None = None,
@@ -220,11 +265,11 @@ class EngineConfig:
                   chat_template: str | None = None) -> EngineConfig:
         """The engine's configuration, every option checked: an impossible one is refused before any process
         starts. `served_model_name` (default: the model path) and `chat_template` are the front end's."""
-        model_config = ModelConfig.from_path(args.model, args.dtype, args.max_model_len, args.quantization)
+        _check_options(args)  # before a download, which may take long
+        model_config = ModelConfig.from_path(resolve_source(args), args.dtype, args.max_model_len, args.quantization)
         model_config = auto_compute_dtype(model_config, args.dtype, args.device)
         parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.pp_layer_partition,
                                   args.nnodes, args.node_rank, args.master_addr, args.master_port)
-        _check_options(args)
         if args.quantization == "experts_int8" and num_routed_experts(model_config.text_config) == 0:
             raise ConfigError(f"quantization='experts_int8' quantizes the routed experts of MoE layers, but "
                               f"{model_config.architecture} has no MoE layers; run it without --quantization",
@@ -243,9 +288,13 @@ class EngineConfig:
         if isinstance(served_model_name, str):
             served_model_name = [served_model_name]
         names = tuple(served_model_name or [args.model])
-        structured = StructuredOutputsConfig(args.structured_outputs_timeout, args.structured_outputs_max_whitespace)
+        structured = StructuredOutputsConfig(args.structured_outputs_timeout, args.structured_outputs_max_whitespace,
+                                             args.reasoning_parser)
+        speculative = parse_speculative_config(args.speculative_config)
+        if speculative is not None:
+            check_target(speculative, _architecture_name(model_config), hybrid, model_config.max_model_len)
         config = cls(model_config, parallel, cache, scheduler, args.device, args.seed, names, chat_template,
-                     resolve_kernels(args.kernels, args.device), structured)
+                     resolve_kernels(args.kernels, args.device), structured, speculative)
         validate_parallel(config)
         return config
 
@@ -266,6 +315,9 @@ def _check_options(args: EngineArgs) -> None:
     if args.structured_outputs_max_whitespace < -1:
         raise ConfigError("structured_outputs_max_whitespace must be -1 (any) or >= 0, got "
                           f"{args.structured_outputs_max_whitespace}", param="structured_outputs_max_whitespace")
+    if args.reasoning_parser not in (None, *REASONING_PARSERS):
+        raise ConfigError(f"reasoning_parser {args.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}",
+                          param="reasoning_parser")
     if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
         raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {args.kv_cache_memory}",
                           param="kv_cache_memory")

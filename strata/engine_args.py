@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from strata.reasoning import REASONING_PARSERS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 SSM_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("experts_int8", "compressed-tensors", "gptq", "awq", "fp8")
+QUANTIZATIONS = ("experts_int8", "compressed-tensors", "gptq", "awq", "fp8", "gguf")
 KERNELS = ("auto", "torch", "triton")
 
 
@@ -32,10 +35,23 @@ def byte_size(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size in bytes (e.g. 4G, 512M), got {value!r}") from None
 
 
+def json_object(value: str) -> dict[str, Any]:
+    """A flag whose value is a JSON object, e.g. --speculative-config '{"method": "ngram", ...}'."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r} ({e})") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {value!r}")
+    return parsed
+
+
 def _option(default: Any, help: str, *, short: str | None = None, parse: Callable[[str], Any] | None = None,
-            choices: Collection[str] | None = None) -> Any:
-    """A field and what its flag needs besides its name: help, a short spelling, a value parser, choices."""
-    return field(default=default, metadata={"help": help, "short": short, "parse": parse, "choices": choices})
+            choices: Collection[str] | None = None, secret: bool = False) -> Any:
+    """A field and what its flag needs besides its name: help, a short spelling, a value parser, choices;
+    a `secret` one is left out of the repr (which may end up in logs)."""
+    return field(default=default, repr=not secret,
+                 metadata={"help": help, "short": short, "parse": parse, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,15 @@ class EngineArgs:
     """Every option of an engine. Field `x_y` is the flag `--x-y` and the keyword `LLM(x_y=...)`."""
 
     model: str  # not generated: each verb declares it (positional for serve and plan, --model for bench)
+    revision: str | None = _option(None, "branch, tag or commit of a Hub model (default: main)")
+    tokenizer: str | None = _option(None, "tokenizer folder or Hub ID (default: the model's own)")
+    tokenizer_revision: str | None = _option(None, "branch, tag or commit of a Hub tokenizer (default: main)")
+    download_dir: str | None = _option(None, "where Hub files are cached (default: huggingface_hub's cache, "
+                                             "HF_HUB_CACHE or HF_HOME/hub)")
+    hf_token: str | None = _option(None, "Hugging Face token for private and gated repos (default: HF_TOKEN, or "
+                                         "the one `hf auth login` saved)", secret=True)
+    gguf_file: str | None = _option(None, "the GGUF file of a Hub repo or folder to serve, e.g. "
+                                          "model-Q4_K_M.gguf (or name the model ORG/NAME:Q4_K_M)")
     tensor_parallel_size: int = _option(1, "tensor-parallel ranks per pipeline stage", short="-tp")
     pipeline_parallel_size: int = _option(1, "pipeline stages (the layers are split between them)", short="-pp")
     pp_layer_partition: tuple[int, ...] | None = _option(
@@ -74,6 +99,13 @@ class EngineArgs:
                                                       "request fails with 400")
     structured_outputs_max_whitespace: int = _option(
         2, "most whitespace characters between two tokens of constrained JSON (-1: any amount)")
+    reasoning_parser: str | None = _option(
+        None, "the model's thinking format (qwen3, deepseek_r1): chat responses carry the thinking in "
+              "reasoning_content, and structured outputs constrain only the answer after it",
+        choices=REASONING_PARSERS)
+    speculative_config: dict[str, Any] | None = _option(
+        None, 'speculative decoding as a JSON object (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "suffix"}', parse=json_object)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -13,9 +13,10 @@ from strata.config import EngineConfig
 from strata.engine.engine import Engine, PromptInput
 from strata.engine.request import ProcessedPrompt
 from strata.engine_args import EngineArgs
+from strata.executor.spawn_guard import refuse_engine_in_spawn_bootstrap
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
-from strata.tokenizer import read_chat_template
+from strata.tokenizer import chat_template_keywords, read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ class LLM:
         args = EngineArgs.from_kwargs(model, engine_options, "LLM", _own_keywords())
         config = EngineConfig.from_args(args, served_model_name=served_model_name,
                                         chat_template=read_chat_template(chat_template))
+        if config.parallel.world_size > 1:  # before seconds of tokenizer loading in a worker that re-ran a script
+            refuse_engine_in_spawn_bootstrap()
         self.engine = Engine(config)
         self.media_options = {"allowed_local_media_path": allowed_local_media_path,
                               "allow_remote_media": allow_remote_media}
@@ -80,11 +83,15 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
-        """`tools`: OpenAI function tools, handed to the chat template (`tools=` of apply_chat_template)."""
+             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """`tools`: OpenAI function tools, handed to the chat template (`tools=` of apply_chat_template).
+        `chat_template_kwargs`: more keywords for the template (e.g. {"enable_thinking": False}).
+        `continue_final_message`: the last (assistant) message is continued instead of a new one started."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = read_chat_template(chat_template)
-        template_kwargs = {"tools": tools} if tools else None
+        add_generation_prompt, template_kwargs = chat_template_keywords(
+            chat_template_kwargs, add_generation_prompt, continue_final_message, tools=tools or None)
         # Image parts ({"type": "image_url", ...}) are loaded, tiled and expanded into placeholder ids.
         prompts = [self.engine.render_chat(conversation, template, add_generation_prompt,
                                            template_kwargs=template_kwargs, **self.media_options)

@@ -78,8 +78,9 @@ def meta_model(config: EngineConfig, pc: ParallelContext) -> nn.Module:
     cls = config.model.info.load_class()
     with torch.device("meta"):
         model = cls(config.model, pc, config.parallel.pp_layer_partition)
-    model.load_weights(checkpoint_shapes(config.model.path,
-                                         lambda name: loader.is_pp_missing(name, model.missing_prefixes)))
+    skip = lambda name: loader.is_pp_missing(name, model.missing_prefixes)  # noqa: E731
+    model.load_weights(loader.checkpoint_weights(config.model, skip, meta=True) if config.model.gguf_files
+                       else checkpoint_shapes(config.model.path, skip))
     if config.model.weight_dtype is not None:
         store_weights_as(model, config.model.weight_dtype)
     return model
@@ -117,8 +118,8 @@ def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
     return RankPlan(
         rank=rank, node=rank // (par.world_size // par.nnodes), tp_rank=tp_rank, pp_rank=pp_rank,
         layers=pp_layer_range(config.model.num_layers, pp_rank, pp, par.pp_layer_partition),
-        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        lookup_table_bytes=sum(e.weight.numel() * e.weight.element_size() for e in embeddings
+        param_bytes=stored_bytes(model),
+        lookup_table_bytes=sum(stored_bytes(e) for e in embeddings
                                if not any(getattr(h, "weight", None) is e.weight for h in heads)),
         kv_bytes_per_1k_tokens=kv_bytes,
         state_bytes_per_seq=state_bytes_per_slot([m for m in model.modules() if isinstance(m, MambaState)],
@@ -128,6 +129,13 @@ def plan_rank(config: EngineConfig, rank: int) -> RankPlan:
         send_bytes_per_token=0 if pp_rank == pp - 1 else 2 * hidden * size,
         gather_bytes_per_sampled_token=gathered_bytes(sampled_collectives(model), tp),
         gather_bytes_per_token=gathered_bytes(per_token, tp))
+
+
+def stored_bytes(module: nn.Module) -> int:
+    """Bytes of the weights as stored: parameters, and the blocks GGUF layers keep outside them (a tied head's
+    table once)."""
+    methods = {id(m.quant): m.quant for m in module.modules() if getattr(m, "quant", None) is not None}
+    return sum(p.numel() * p.element_size() for p in module.parameters()) + sum(q.nbytes for q in methods.values())
 
 
 def gathered_bytes(collectives: list[Collective], tp: int) -> int:

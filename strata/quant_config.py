@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.errors import ConfigError
+from strata.gguf import types as gguf_types
 
 # vLLM's names, accepted by `quantization=` to insist on what the checkpoint declares.
 CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
@@ -70,6 +71,18 @@ class QuantConfig:
             if any(t == "Linear" for t in targets) or all(_matches(targets, n) for n in names):
                 return scheme
         return None
+
+
+@dataclass(frozen=True)
+class GGUFQuantConfig:
+    """A GGUF file's layers: each tensor kept in its ggml blocks, by checkpoint (HF) name, with its ggml type."""
+
+    tensor_types: dict[str, int]
+    method: str = "gguf"
+
+    def types_of(self, module_names: list[str]) -> dict[str, int]:
+        """{checkpoint module name: ggml type} of the modules (several for a fused layer) stored in blocks."""
+        return {n: self.tensor_types[n + ".weight"] for n in module_names if n + ".weight" in self.tensor_types}
 
 
 def _matches(patterns: tuple[str, ...], name: str) -> bool:
@@ -190,17 +203,18 @@ def _fp8(raw: dict[str, Any]) -> QuantConfig:
     return QuantConfig("fp8", ((("Linear",), scheme),), tuple(raw.get("ignored_layers") or ()))
 
 
-def quant_tp_problem(tp: int, quant: QuantConfig, row_parallel_inputs: dict[str, int],
+def quant_tp_problem(tp: int, quant: QuantConfig | GGUFQuantConfig, row_parallel_inputs: dict[str, int],
                      column_parallel_outputs: dict[str, tuple[int, int]] | None = None) -> str | None:
-    """Why `tp` would cut a quantization group or a packed element: of a row-parallel layer's inputs (split across
-    ranks), or of a column-parallel piece's outputs ((rows, units): units split across ranks, or, when fewer than
-    ranks, each rank holds one); None when it cuts nothing."""
+    """Why `tp` would cut a quantization group, a packed element or a ggml block: of a row-parallel layer's inputs
+    (split across ranks), or of a column-parallel piece's outputs ((rows, units): units split across ranks, or,
+    when fewer than ranks, each rank holds one); None when it cuts nothing."""
     columns = column_parallel_outputs or {}
-    problem = _cut_by(tp, quant, row_parallel_inputs, columns)
+    cut_by = _gguf_cut_by if isinstance(quant, GGUFQuantConfig) else _cut_by
+    problem = cut_by(tp, quant, row_parallel_inputs, columns)
     if problem is None:
         return None
-    works = [t for t in (1, 2, 4, 8, 16, 32, 64) if all(s % t == 0 for s in row_parallel_inputs.values())
-             and _cut_by(t, quant, row_parallel_inputs, columns) is None]
+    works = [t for t in (1, 2, 3, 4, 6, 8, 16, 32, 64) if all(s % t == 0 for s in row_parallel_inputs.values())
+             and cut_by(t, quant, row_parallel_inputs, columns) is None]
     return f"{problem}; sizes that work: {', '.join(map(str, works))}"
 
 
@@ -226,3 +240,18 @@ def _cut_by(tp: int, quant: QuantConfig, rows: dict[str, int], columns: dict[str
                         f"packed element of {s.outputs_per_element} outputs ({s.bits}-bit {s.format} "
                         f"{'weights' if s.format == AWQ else 'zero points'} are packed along the outputs)")
     return None
+
+
+def _gguf_cut_by(tp: int, quant: GGUFQuantConfig, rows: dict[str, int], columns: dict) -> str | None:
+    """GGUF rows are cut only at whole blocks: a row-parallel layer's inputs per rank must hold whole blocks of the
+    types its tensors are stored in (32 values, 256 for the K-quants)."""
+    row_parallel = [t for name, t in quant.tensor_types.items() if name.endswith(_ROW_PARALLEL)]
+    block = max((gguf_types.check_type(t, "").block_values for t in row_parallel), default=1)
+    for name, size in rows.items():
+        if tp > 1 and size % tp == 0 and (size // tp) % block:
+            return (f"tensor_parallel_size={tp} splits {name}={size} into {size // tp} inputs per rank, which cuts "
+                    f"a GGUF block of {block} values")
+    return None
+
+
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")

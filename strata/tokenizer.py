@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,21 @@ logger = logging.getLogger(__name__)
 _CONTEXT_TOKENS = 5
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
+    """The tokenizer of a checkpoint folder, or the one a GGUF file describes in its `tokenizer.ggml.*` metadata
+    (its vocabulary, merges or scores, special tokens and chat template), rebuilt by transformers."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
+        if gguf_file is not None:
+            gguf = Path(gguf_file)
+            return PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                           local_files_only=True)
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot load"
-        raise ConfigError(f"cannot load the tokenizer from {path!r}: {e}", param="model") from e
+        where = gguf_file or path
+        raise ConfigError(f"cannot load the tokenizer from {where!r}: {e}; pass a tokenizer folder or Hub ID with "
+                          "--tokenizer", param="model") from e
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -45,6 +54,37 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_tem
                                              add_generation_prompt=add_generation_prompt, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja errors surface as many types
         raise RequestError(f"cannot apply the chat template to these messages: {e}", param="messages") from e
+
+
+# apply_chat_template's own arguments, which a request's chat_template_kwargs may not set (as vLLM).
+_NOT_TEMPLATE_KWARGS = ("chat_template", "tokenize", "conversation", "return_dict")
+
+
+def chat_template_keywords(chat_template_kwargs: Mapping[str, Any] | None, add_generation_prompt: bool = True,
+                           continue_final_message: bool = False, **fields: Any) -> tuple[bool, dict[str, Any]]:
+    """(add_generation_prompt, the other keywords) a chat template renders with: the request's `fields` that are
+    given (tools, documents), then its chat_template_kwargs (enable_thinking, ...), which win as in vLLM."""
+    kwargs = {name: value for name, value in fields.items() if value is not None}
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(set(extra) & set(_NOT_TEMPLATE_KWARGS))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    add_generation_prompt = bool(extra.pop("add_generation_prompt", add_generation_prompt))
+    continue_final_message = bool(extra.pop("continue_final_message", continue_final_message))
+    kwargs.update(extra)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                               param="continue_final_message")
+        kwargs["continue_final_message"] = True
+    return add_generation_prompt, kwargs
+
+
+def drops_special_markers(tokenizer: Any, markers: tuple[str, ...]) -> bool:
+    """Whether decoding with skip_special_tokens loses any of `markers` (those that are special tokens)."""
+    vocab = tokenizer.get_vocab()
+    return any(marker in vocab and not tokenizer.decode([vocab[marker]], skip_special_tokens=True)
+               for marker in markers)
 
 
 def fast_decoder(tokenizer: Any, skip_special_tokens: bool = True):

@@ -83,7 +83,7 @@ def column_parallel_outputs(text: HFConfig) -> dict[str, tuple[int, int]]:
         kv = text.get("num_key_value_heads") or heads
         pieces["num_attention_heads * head_dim"] = (heads * _head_dim(text), heads)
         pieces["num_key_value_heads * head_dim"] = (kv * _head_dim(text), kv)
-    for name in ("intermediate_size", "intermediate_size_mlp"):
+    for name in ("intermediate_size", "intermediate_size_mlp", "moe_intermediate_size"):
         if isinstance(text.get(name), int):
             pieces[name] = (text.get(name), text.get(name))
     mamba_heads = text.get("num_heads")

@@ -41,3 +41,12 @@ def llama_gqa(tmp_path_factory) -> Path:
 def llama_tied(tmp_path_factory) -> Path:
     """Multi-head attention (no GQA), tied embeddings, plain RoPE."""
     return make_llama(tmp_path_factory.mktemp("llama_tied"), num_kv_heads=4, tied=True, num_layers=3, seed=1)
+
+
+@pytest.fixture(scope="session")
+def thinking_llama(tmp_path_factory) -> Path:
+    """A Qwen3-style chat checkpoint whose greedy output is `<think> quick brown fox</think>` (see
+    reasoning_checkpoints)."""
+    from reasoning_checkpoints import make_thinking_llama
+
+    return make_thinking_llama(tmp_path_factory.mktemp("thinking_llama"))

@@ -22,6 +22,9 @@ NON_DEFAULTS = {
     "nnodes": (2, "2"), "node_rank": (1, "1"), "master_addr": ("10.0.0.1", "10.0.0.1"), "master_port": (29500, "29500"),
     "kernels": ("triton", "triton"),
     "structured_outputs_timeout": (2.5, "2.5"), "structured_outputs_max_whitespace": (-1, "-1"),
+    "reasoning_parser": ("qwen3", "qwen3"),
+    "revision": ("v2", "v2"), "tokenizer": ("org/tok", "org/tok"), "tokenizer_revision": ("t1", "t1"),
+    "download_dir": ("/tmp/hub", "/tmp/hub"), "hf_token": ("hf_x", "hf_x"), "gguf_file": ("m.gguf", "m.gguf"),
 }
 VERBS = {"serve": ["serve", "m"], "bench throughput": ["bench", "throughput", "--model", "m"], "plan": ["plan", "m"]}
 

@@ -79,12 +79,12 @@ def _on_cuda(device: str) -> bool:
 
 
 def run_latency(args: argparse.Namespace) -> int:
-    from strata.config import ModelConfig
+    from strata.config import ModelConfig, resolve_source
     from strata.llm import LLM
 
     if args.output_len < 2:
         raise SystemExit("--output-len must be at least 2 to time decode steps")
-    model = ModelConfig.from_path(args.model)
+    model = ModelConfig.from_path(resolve_source(EngineArgs.from_cli_args(args, args.model)))
     prompts = random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed, avoid=model.eos_token_ids)
     nbytes = weight_bytes(args)
     read_loop = None if _on_cuda(args.device) else read_loop_bandwidth()

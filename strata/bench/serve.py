@@ -44,11 +44,13 @@ def make_prompts(args: argparse.Namespace) -> list[tuple[str | list[int], int]]:
     rng = random.Random(args.seed)
     prefix_len, num_prefixes = getattr(args, "prefix_len", 0), getattr(args, "num_prefixes", 1)
     if args.tokenizer:
+        from strata.model_source import resolve_tokenizer
         from strata.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(args.tokenizer)
+        folder = resolve_tokenizer(args.tokenizer)  # a folder, or a Hub ID: its tokenizer files downloaded
+        tokenizer = load_tokenizer(folder)
         special = set(tokenizer.all_special_ids)
-        vocab = [t for t in range(_vocab_size(args.tokenizer, tokenizer)) if t not in special]
+        vocab = [t for t in range(_vocab_size(folder, tokenizer)) if t not in special]
         prefixes = [[rng.choice(vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
         prompts = [prefixes[i % num_prefixes] + [rng.choice(vocab) for _ in range(args.input_len)]
                    for i in range(args.num_prompts)]

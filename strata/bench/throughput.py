@@ -147,9 +147,9 @@ def _bench_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float
 
 def bench_prompts(args: argparse.Namespace) -> list[list[int]]:
     """The token ids `strata bench throughput` feeds for these flags (also what baselines must be given)."""
-    from strata.config import ModelConfig
+    from strata.config import ModelConfig, resolve_source
 
-    model = ModelConfig.from_path(args.model)
+    model = ModelConfig.from_path(resolve_source(EngineArgs.from_cli_args(args, args.model)))
     return random_prompts(args.num_prompts, args.input_len, model.vocab_size, args.seed, avoid=model.eos_token_ids)
 
 

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf_blocks.h"
 #include "weight_values.h"
 
 #define KC 256  /* values of K in one panel: a strip of 16 outputs is 16 KiB, in L1 */
@@ -44,9 +45,15 @@ static inline __attribute__((always_inline)) void widen_blocks(const weights_t *
 static void widen_row(const weights_t *w, int64_t r, int64_t k0, int64_t kc, float *dst) {
     const int quantized = scaled(w->kind);
     int64_t i = 0;
+    if (gguf_block_values(w->kind)) { /* panels hold whole runs of 32: K is whole blocks, KC a multiple of 256 */
+        gguf_row_floats(w->kind, w->data + r * w->row_bytes, k0, kc, dst);
+        return;
+    }
 #if USE_AVX2
     i = quantized ? (kc + BLOCK - 1) / BLOCK * BLOCK : kc / BLOCK * BLOCK;
     switch (w->kind) { /* constant kinds, so each load inlines */
+    case KIND_F32: widen_blocks(w, r, k0, i, KIND_F32, dst); break;
+    case KIND_F16: widen_blocks(w, r, k0, i, KIND_F16, dst); break;
     case KIND_BF16: widen_blocks(w, r, k0, i, KIND_BF16, dst); break;
     case KIND_INT4: widen_blocks(w, r, k0, i, KIND_INT4, dst); break;
     case KIND_FP8: widen_blocks(w, r, k0, i, KIND_FP8, dst); break;
@@ -205,11 +212,13 @@ static void task(const weights_t *w, const float *xp, int64_t m_total, int64_t n
 
 /* out[m_total, n] = x[m_total, k] (float32, contiguous) times the weight's transpose (+ bias, float32 or NULL);
    the weight as in weight_only_matmul (kind 1 bfloat16, 4 / 8 int4 / int8 with scales and zeros [n, groups],
-   9 FP8 with scales [n, 1]). Tasks of NC outputs are shared among the threads. Returns 0, or -1 when scratch
-   memory ran out. */
+   9 FP8 with scales [n, 1], 32 + ggml's type GGUF blocks). Tasks of NC outputs are shared among the threads.
+   Returns 0, -1 when scratch memory ran out, -2 for a GGUF kind it does not read or a K of partial blocks. */
 int weight_gemm(const float *x, int64_t m_total, int64_t k, const void *weight, int64_t row_bytes, int kind,
                 const float *scales, const float *zeros, int64_t groups, int64_t group_size, const float *bias,
                 float *out, int64_t n, int num_threads) {
+    kind = gguf_dense_kind(kind);
+    if (kind >= KIND_GGUF && kind != KIND_F16 && !gguf_shape_ok(kind, k, row_bytes)) return -2;
     const weights_t w = {weight, row_bytes, n, k, scaled(kind) ? groups : 1, scaled(kind) ? group_size : k + BLOCK,
                          scales, zeros, kind};
     if (m_total == 0 || n == 0) return 0;

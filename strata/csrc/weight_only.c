@@ -63,8 +63,10 @@ static inline __attribute__((always_inline)) void row_blocks(const weights_t *w,
         const int64_t end = quantized && (g + 1) * per_group < full ? (g + 1) * per_group : full;
         const __m256 scale = quantized ? _mm256_broadcast_ss(scales + g) : _mm256_set1_ps(1.f);
         for (; b < end; b++) {
-            const int64_t block_bytes =
-                KIND == KIND_F32 ? 128 : KIND == KIND_BF16 ? 64 : KIND == KIND_INT8 || KIND == KIND_FP8 ? 32 : 16;
+            const int64_t block_bytes = KIND == KIND_F32                      ? 128
+                                        : KIND == KIND_BF16 || KIND == KIND_F16 ? 64
+                                        : KIND == KIND_INT8 || KIND == KIND_FP8 ? 32
+                                                                                : 16;
             if (b * block_bytes % 64 == 0) prefetch_ahead(row + b * block_bytes, block_bytes); /* once a line */
             __m256 v[4];
             load_block(KIND, row, b, v);
@@ -171,6 +173,7 @@ DEFINE_ROWS(KIND_BF16)
 DEFINE_ROWS(KIND_INT4)
 DEFINE_ROWS(KIND_INT8)
 DEFINE_ROWS(KIND_FP8)
+DEFINE_ROWS(KIND_F16)
 #define ROWS_OF(KIND, MC) ((MC) == 4 ? row_##KIND##_4 : (MC) == 2 ? row_##KIND##_2 : row_##KIND##_1)
 
 /* The kernel for a weight kind and a chunk of 1, 2 or 4 rows of x, each specialised at compile time. */
@@ -180,6 +183,7 @@ static row_fn row_kernel(int kind, int mc) {
     case KIND_BF16: return ROWS_OF(KIND_BF16, mc);
     case KIND_INT4: return ROWS_OF(KIND_INT4, mc);
     case KIND_FP8: return ROWS_OF(KIND_FP8, mc);
+    case KIND_F16: return ROWS_OF(KIND_F16, mc);
     default: return ROWS_OF(KIND_INT8, mc);
     }
 }
@@ -206,7 +210,7 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
     }
 }
 
-#if USE_AVX2 && !USE_AVX512
+#if USE_AVX2 /* with AVX-512 too: the GGUF kernels share its rounding of x */
 #include "weight_only_avx2.h"
 #endif
 
@@ -219,6 +223,8 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
 #define USE_VNNI 0
 #endif
 #endif
+
+#include "gguf_matmul.h"
 
 #if USE_AVX512 && !USE_VNNI /* the float32 path of AVX-512 CPUs without VNNI */
 typedef void (*row512_fn)(const weights_t *, int64_t, const float *, int64_t, const float *, float *);
@@ -279,11 +285,19 @@ static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, co
 
 /* out[m_total, n] = x[m_total, k] (float32, contiguous) times the weight's transpose (+ bias, float32 or NULL).
    kind: 0 float32 / 1 bfloat16 weight [n, k]; 4 / 8: packed int4 / int8 with scales and zeros
-   [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]. Rows of the weight are shared among the threads,
-   each read once for every x row (once for every 8 rows with AVX-512). Returns 0, or -1 when scratch memory ran out. */
+   [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]; 32 + ggml's type: GGUF blocks (gguf_blocks.h;
+   scales, zeros and groups unused). Rows of the weight are shared among the threads, each read once for every x
+   row (once for every 8 rows with AVX-512). Returns 0, -1 when scratch memory ran out, -2 for a GGUF kind strata
+   does not read or a K that is not a whole number of its blocks. */
 int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *weight, int64_t row_bytes,
                        int kind, const float *scales, const float *zeros, int64_t groups, int64_t group_size,
                        const float *bias, float *out, int64_t n, int num_threads) {
+    kind = gguf_dense_kind(kind);
+    if (kind >= KIND_GGUF && kind != KIND_F16) {
+        if (!gguf_shape_ok(kind, k, row_bytes)) return -2;
+        const weights_t gw = {weight, row_bytes, n, k, 1, k, NULL, NULL, kind};
+        return gguf_matmul(&gw, x, m_total, bias, out, num_threads);
+    }
     const int quantized = kind == KIND_INT4 || kind == KIND_INT8; /* with zero points */
     const weights_t w = {weight, row_bytes, n, k, scaled(kind) ? groups : 1,
                          scaled(kind) ? group_size : k + BLOCK, scales, zeros, kind};
@@ -317,5 +331,25 @@ int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *w
         rows_times_x(&w, n0, n1, x, m_total, xsum, bias, out);
     }
     free(xsum);
+    return 0;
+}
+
+/* out[count, k] = rows ids[0..count) of a weight as float32 (an embedding looked up in its own storage): GGUF blocks
+   (32 + ggml's type) or the dense float32, float16 and bfloat16 kinds. Returns 0, or -2 for another kind or a K of
+   partial blocks. */
+int weight_rows(const void *weight, int64_t row_bytes, int kind, int64_t k, const int64_t *ids, int64_t count,
+                float *out, int num_threads) {
+    kind = gguf_dense_kind(kind);
+    const int dense = kind == KIND_F32 || kind == KIND_F16 || kind == KIND_BF16;
+    if (!dense && !gguf_shape_ok(kind, k, row_bytes)) return -2;
+    const weights_t w = {weight, row_bytes, 0, k, 1, k, NULL, NULL, kind};
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count * k >= (1 << 16))
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *row = w.data + ids[i] * row_bytes;
+        if (dense)
+            for (int64_t j = 0; j < k; j++) out[i * k + j] = load_value(&w, row, j);
+        else
+            gguf_row_floats(kind, row, 0, k, out + i * k);
+    }
     return 0;
 }

@@ -17,7 +17,8 @@
 
 #define BLOCK 32 /* values of K in one block of the packed layout */
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8, KIND_FP8 = 9 };
+/* KIND_GGUF + ggml's type number: GGUF weights in their blocks (gguf_blocks.h); GGUF's F16 is a dense kind here. */
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT4 = 4, KIND_INT8 = 8, KIND_FP8 = 9, KIND_GGUF = 32, KIND_F16 = 33 };
 
 /* Kinds with a scale per group (FP8: per output channel, no zero point). */
 static inline int scaled(int kind) { return kind == KIND_INT4 || kind == KIND_INT8 || kind == KIND_FP8; }
@@ -29,6 +30,23 @@ static inline float fp8_to_f32(uint8_t b) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f * 0x1p120f;
+}
+
+/* IEEE half as float32 (subnormals, infinities and NaN included). */
+static inline float f16_to_f32(uint16_t h) {
+#if USE_AVX2 && defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float32 */
+        const float magnitude = (float)mantissa * 0x1p-24f;
+        return sign ? -magnitude : magnitude;
+    }
+    const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
 }
 
 /* One weight matrix: rows of `row_bytes`; quantized kinds carry scales (and zero points, or NULL for the
@@ -44,6 +62,7 @@ static inline float load_value(const weights_t *w, const uint8_t *row, int64_t k
     switch (w->kind) {
     case KIND_F32: return ((const float *)row)[k];
     case KIND_BF16: return bf16_to_f32(((const uint16_t *)row)[k]);
+    case KIND_F16: return f16_to_f32(((const uint16_t *)row)[k]);
     case KIND_INT8: return (float)row[k];
     case KIND_FP8: return fp8_to_f32(row[k]);
     default: {
@@ -70,6 +89,17 @@ static inline void load_block(int kind, const uint8_t *row, int64_t b, __m256 v[
         for (int j = 0; j < 4; j++) {
             const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
             v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+        }
+    } else if (kind == KIND_F16) {
+        const uint16_t *p = (const uint16_t *)row + b * BLOCK;
+        for (int j = 0; j < 4; j++) {
+#if USE_AVX2 && defined(__F16C__)
+            v[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
+#else
+            float f[8];
+            for (int i = 0; i < 8; i++) f[i] = f16_to_f32(p[8 * j + i]);
+            v[j] = _mm256_loadu_ps(f);
+#endif
         }
     } else if (kind == KIND_FP8) { /* sign and 7 bits moved under float32's exponent, then rebiased */
         const uint8_t *p = row + b * BLOCK;

@@ -27,6 +27,7 @@ class AsyncEngine:
         self.engine = engine
         self.config: EngineConfig = engine.config
         self.tokenizer = engine.tokenizer
+        self.reasoning = engine.reasoning  # the --reasoning-parser, bound to the tokenizer, or None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -149,6 +150,9 @@ class AsyncEngine:
                     logger.info("running %d, waiting %d, KV usage %.1f%%, %d prompt and %d generated tokens",
                                 s["running"], s["waiting"], 100 * s["kv_usage"], s["prompt_tokens"],
                                 s["generation_tokens"])
+                    spec = self.engine.spec.interval_summary() if self.engine.spec is not None else None
+                    if spec is not None:
+                        logger.info("%s", spec)
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine, and every caller hears of it
             logger.exception("engine loop failed")
             self.dead_error = e

@@ -7,18 +7,20 @@ import time
 from collections import deque
 from typing import Any
 
-from strata.config import EngineConfig
+from strata.config import EngineConfig, resolve_device
 from strata.engine.grammars import GrammarState
 from strata.engine.kv_cache import KVCacheManager
 from strata.engine.output_processor import RequestGroup, SequenceState, TokenTextCache, stop_condition
 from strata.engine.request import ProcessedPrompt, Request, RequestStatus
 from strata.engine.scheduler import Scheduler
+from strata.engine.spec.decoder import SpeculativeDecoder
 from strata.engine.state_cache import SlotPool
 from strata.errors import RequestError, StrataError
 from strata.executor.executor import create_executor
 from strata.executor.model_runner import RunnerOutput
 from strata.multimodal.chat import ImagePromptProcessor, render_chat
 from strata.outputs import Logprob, PromptLogprobsChunk, RequestOutput
+from strata.reasoning import reasoning_parser
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import load_tokenizer
 
@@ -30,13 +32,18 @@ PromptInput = str | list[int] | dict[str, Any]
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.path)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.tokenizer_gguf_file)
+        self.reasoning = reasoning_parser(config.structured.reasoning_parser, self.tokenizer)
         self.mm_processor = ImagePromptProcessor.for_model(config.model, self.tokenizer)
         self.executor = create_executor(config)
         kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching)
         slots = SlotPool(config.scheduler.max_num_seqs) if config.model.text_info.is_hybrid else None
-        self.scheduler = Scheduler(config.scheduler, kv, slots)
+        self.spec = None if config.speculative is None else SpeculativeDecoder(
+            config.speculative, resolve_device(config.device).type)
+        if self.spec is not None:
+            self.spec.grammar_cut = self._grammar_cut
+        self.scheduler = Scheduler(config.scheduler, kv, slots, self.spec)
         self.groups: dict[str, RequestGroup] = {}
         self.sequence_of: dict[str, tuple[RequestGroup, SequenceState]] = {}
         self.in_flight: deque = deque()
@@ -53,7 +60,7 @@ class Engine:
     def grammars(self) -> GrammarState:
         with self._grammar_lock:  # the server's threads may ask first
             if self._grammar_state is None:
-                self._grammar_state = GrammarState(self.config, self.tokenizer, self.stop_token_ids)
+                self._grammar_state = GrammarState(self.config, self.tokenizer, self.stop_token_ids, self.reasoning)
         return self._grammar_state
 
     @property
@@ -90,7 +97,7 @@ class Engine:
         chat = render_chat(self.tokenizer, messages, self.mm_processor, chat_template or self.config.chat_template,
                            add_generation_prompt, allowed_local_media_path=allowed_local_media_path,
                            allow_remote_media=allow_remote_media, **(template_kwargs or {}))
-        prompt = ProcessedPrompt(chat.text, chat.token_ids, chat.mm_inputs)
+        prompt = ProcessedPrompt(chat.text, chat.token_ids, chat.mm_inputs, template_kwargs)
         return self._validated(prompt) if validate else prompt
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], Any]:
@@ -133,8 +140,11 @@ class Engine:
         requests = [Request(seq.request_id, prompt.token_ids, group.child_params(seq.index), self.max_model_len,
                             arrival_time, prompt.mm_inputs) for seq in group.sequences]
         if params.structured_outputs is not None:
-            # Waits for its grammar outside the scheduler; refused here when the schema is invalid.
-            self.grammars.add(request_id, params.structured_outputs, requests)
+            # Waits for its grammar outside the scheduler; refused here when the schema is invalid. A thinking
+            # output is constrained from the end of its thinking on.
+            thinking = self.reasoning is not None and self.reasoning.thinks_first(prompt.token_ids,
+                                                                                  prompt.chat_template_kwargs)
+            self.grammars.add(request_id, params.structured_outputs, requests, thinking)
         else:
             for request in requests:
                 self.scheduler.add(request)
@@ -179,11 +189,11 @@ class Engine:
         self.stats["steps"] += 1
         changed = self.scheduler.update(sched, result.sampled)
         touched: dict[str, RequestGroup] = {}
-        for request in changed:
-            self._apply_token(request, result, touched)
+        for request, count in changed:
+            self._apply_tokens(request, count, result.logprobs.get(request.request_id), touched)
         for request_id, entries in result.prompt_logprobs.items():
             self._apply_prompt_logprobs(request_id, entries, touched)
-        self.stats["prompt_tokens"] += sched.num_tokens - len(changed)
+        self.stats["prompt_tokens"] += sched.num_tokens - sched.num_draft_tokens - len(changed)
         return self._collect_outputs(touched)
 
     def _admit_grammar_requests(self, grammars: GrammarState) -> None:
@@ -194,18 +204,34 @@ class Engine:
             self.abort_request(request_id)
             self.failures.append((request_id, error))
 
+    def _grammar_cut(self, request: Request, draft: list[int]) -> list[int]:
+        """A draft cut before the first token the request's grammar refuses (unconstrained: the whole draft)."""
+        grammars = self._grammar_state
+        if grammars is None or not grammars.constrained(request.request_id):
+            return draft
+        return grammars.valid_prefix(request.request_id, draft)
+
     def take_failures(self) -> list[tuple[str, StrataError]]:
         """Requests refused after add_request returned (a grammar that failed or timed out compiling)."""
         failures, self.failures = self.failures, []
         return failures
 
-    def _apply_token(self, request: Request, result: RunnerOutput, touched: dict) -> None:
+    def _apply_tokens(self, request: Request, count: int, logprobs: list | None, touched: dict) -> None:
+        """A request's `count` new tokens (the last of its token_ids) in order, up to the first that ends it: a
+        verification step's tokens after a stop are dropped."""
+        for i in range(count):
+            self._apply_token(request, logprobs[i] if logprobs else None, count - 1 - i, touched)
+            if request.finished:
+                return
+
+    def _apply_token(self, request: Request, lps: Any, pending: int, touched: dict) -> None:
+        """The new token `pending` places before the end of the request's token_ids."""
         found = self.sequence_of.get(request.request_id)
         if found is None:  # not expected (abort_request drops both together), but never leave it running
             self.scheduler.abort(request.request_id)
             return
         group, seq = found
-        token = request.token_ids[-1]
+        token = request.token_ids[-1 - pending]
         self.stats["generation_tokens"] += 1
         seq.token_ids.append(token)
         if request.first_token_time is None:
@@ -213,12 +239,18 @@ class Engine:
             group.num_cached_tokens = max(request.num_cached_tokens, 0)
             if request.scheduled_time is not None and "queue_time" not in group.metrics:
                 group.metrics["queue_time"] = request.scheduled_time - request.arrival_time
-        lps = result.logprobs.get(request.request_id)
         if seq.logprobs is not None and lps is not None:
             seq.logprobs.append(self.token_text.position(token, lps))
             seq.cumulative_logprob += lps.logprob
-        stop_string = seq.detokenizer.add(token)  # always: it also extends the text
-        stop = stop_condition(request, stop_string)
+        stop = stop_condition(request, None, pending)
+        if stop is not None and stop[0] is RequestStatus.FINISHED_STOPPED and \
+                not request.sampling_params.include_stop_str_in_output:
+            # The text of the EOS or stop token that ended the output is not part of it (as vLLM); it would show
+            # with skip_special_tokens=False, which tool parsers whose markers are special tokens need.
+            stop_string = None
+        else:
+            stop_string = seq.detokenizer.add(token)  # it also extends the text
+            stop = stop or stop_condition(request, stop_string, pending)
         if self._grammar_state is not None and self._grammar_state.constrained(request.request_id):
             if self._grammar_state.accept(request.request_id, token) and stop is None:
                 stop = (RequestStatus.FINISHED_STOPPED, None)  # the grammar is complete
@@ -228,6 +260,8 @@ class Engine:
             if stop_string is None:
                 seq.detokenizer.flush()
             request.stop_reason = stop[1]
+            if pending:  # tokens after the stop (accepted drafts) are not part of the output
+                del request.token_ids[-pending:]
             self.scheduler.finish(request, stop[0])
             seq.finish_reason, seq.stop_reason = request.status.value, request.stop_reason
         touched[group.request_id] = group
@@ -257,7 +291,8 @@ class Engine:
         return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_usage": kv.usage,
                 "prefix_queries": kv.prefix_queries, "prefix_hits": kv.prefix_hits,
                 "num_preemptions": sched.num_preemptions,
-                "free_blocks": kv.pool.num_free, "total_blocks": kv.pool.num_blocks, **self.stats}
+                "free_blocks": kv.pool.num_free, "total_blocks": kv.pool.num_blocks,
+                "spec_decode": None if self.spec is None else self.spec.stats.copy(), **self.stats}
 
     def check_health(self) -> None:
         """Raise if a worker died (the engine loop calls this while idle, when no step would notice)."""

@@ -34,16 +34,19 @@ class TokenTextCache:
         return entry
 
 
-def stop_condition(request: Request, stop_string: str | None) -> tuple[RequestStatus, int | str | None] | None:
+def stop_condition(request: Request, stop_string: str | None, pending: int = 0
+                   ) -> tuple[RequestStatus, int | str | None] | None:
     """Whether the request's last token ends it, and why: every stop rule in one place, in order of precedence.
-    EOS and stop_token_ids (once min_tokens are out), then length, then a stop string found in the text."""
-    token, params = request.token_ids[-1], request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    EOS and stop_token_ids (once min_tokens are out), then length, then a stop string found in the text.
+    `pending`: tokens of the same step after the one checked (accepted draft tokens), already appended."""
+    token, params = request.token_ids[-1 - pending], request.sampling_params
+    num_output, num_tokens = request.num_output_tokens - pending, request.num_tokens - pending
+    if num_output >= params.min_tokens:
         if not params.ignore_eos and token in params.all_stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, None
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= request.max_model_len:
+    if num_output >= request.max_tokens or num_tokens >= request.max_model_len:
         return RequestStatus.FINISHED_LENGTH, None
     if stop_string is not None:
         return RequestStatus.FINISHED_STOPPED, stop_string

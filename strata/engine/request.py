@@ -18,6 +18,8 @@ class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
     mm_inputs: Any = None  # model-specific multimodal inputs (e.g. image tiles), or None
+    # The keywords a chat prompt's template was rendered with (a reasoning parser reads enable_thinking), or None.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class RequestStatus(enum.Enum):

@@ -1,5 +1,6 @@
 """One token budget per step: running requests first (decodes or the rest of their prefill), then new
-prefill chunks; recompute preemption when KV blocks run out."""
+prefill chunks; recompute preemption when KV blocks run out. With speculative decoding a decode carries draft
+tokens: extra tokens of the step with KV slots, of which only the verified ones count as computed."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ from collections import deque
 from strata.config import SchedulerConfig
 from strata.engine.kv_cache import KVCacheManager
 from strata.engine.request import Request, RequestStatus
+from strata.engine.spec.decoder import SpeculativeDecoder
 from strata.engine.state_cache import SlotPool
 from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -16,10 +18,12 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, slots: SlotPool | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, slots: SlotPool | None = None,
+                 spec: SpeculativeDecoder | None = None) -> None:
         self.config = config
         self.kv = kv
         self.slots = slots
+        self.spec = spec
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -38,6 +42,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
+        drafts = self._drafts()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -46,15 +51,19 @@ class Scheduler:
             if request.in_flight or n <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate(request, n):
+            draft = drafts.get(request.request_id, [])[:budget - n]
+            while not self.kv.allocate(request, n + len(draft)):
+                if draft:  # drop the drafts before preempting anyone
+                    draft = []
+                    continue
                 victim = self._pick_victim(request)
                 self._preempt(victim, out)
                 preempted = True
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
-                out.requests.append(self._scheduled(request, n))
-                budget -= n
+                out.requests.append(self._scheduled(request, n, draft))
+                budget -= n + len(draft)
                 i += 1
         if not preempted:
             budget = self._admit_waiting(out, budget)
@@ -93,16 +102,24 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+    def _drafts(self) -> dict[str, list[int]]:
+        """Draft tokens for the running requests whose next step samples one token (none while speculation is
+        off)."""
+        if self.spec is None:
+            return {}
+        decoding = [r for r in self.running if not r.in_flight and r.num_tokens - r.num_computed_tokens == 1]
+        return self.spec.drafts(decoding, len(self.running))
+
+    def _scheduled(self, request: Request, n: int, draft: list[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         new = None
         if not request.known_to_workers:
             new = NewRequestData(request.sampling_params, request.prompt_token_ids, request.mm_inputs)
             request.known_to_workers = True
         request.in_flight = True
-        return ScheduledRequest(request.request_id, request.token_ids[start:start + n], start,
+        return ScheduledRequest(request.request_id, request.token_ids[start:start + n] + list(draft), start,
                                 list(request.block_ids), start + n == request.num_tokens,
-                                request.state_slot, new)
+                                request.state_slot, new, len(draft))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -121,9 +138,11 @@ class Scheduler:
             self.slots.release(request.state_slot)
             request.state_slot = -1
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply one step's results; returns requests that got a new token (the engine decides whether it
-        stops them, and calls `finish`, before the next step is scheduled)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
+        """Apply one step's results; returns the requests that got new tokens and how many (the engine decides
+        whether a token stops a request, and calls `finish`, before the next step is scheduled). Of a request's
+        draft tokens, those its new tokens confirm count as computed; the rest are forgotten (their KV slots are
+        written again later, and the prefix cache only ever hashes blocks of verified tokens)."""
         changed = []
         for s in out.requests:
             request = self.requests.get(s.request_id)
@@ -132,12 +151,15 @@ class Scheduler:
             request.in_flight = False
             if request.status is not RequestStatus.RUNNING or request.num_computed_tokens != s.num_computed_tokens:
                 continue  # preempted while in flight: it will be recomputed
-            request.num_computed_tokens += len(s.token_ids)
+            tokens = sampled.get(s.request_id) if s.sample else None
+            accepted = len(tokens) - 1 if tokens and s.num_draft_tokens else 0
+            request.num_computed_tokens += len(s.token_ids) - s.num_draft_tokens + accepted
+            if s.num_draft_tokens and self.spec is not None:
+                self.spec.record(s.num_draft_tokens, accepted)
+            if tokens:
+                request.token_ids.extend(tokens)
+                changed.append((request, len(tokens)))
             self.kv.cache_full_blocks(request)
-            token = sampled.get(s.request_id)
-            if s.sample and token is not None:
-                request.token_ids.append(token)
-                changed.append(request)
         return changed
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -149,6 +171,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self._release(request)
+        if self.spec is not None:
+            self.spec.finish(request)
         self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
 

@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled token, when asked
+    # The new tokens of each request that sampled: one, or with draft tokens the accepted drafts and one more.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # of each new token, when asked
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
@@ -60,8 +61,8 @@ class ModelRunner:
         model_cls = config.model.info.load_class()
         with torch.device(device):
             self.model = model_cls(config.model, pc, config.parallel.pp_layer_partition)
-        self.model.load_weights(loader.iterate_weights(
-            config.model.path, lambda name: loader.is_pp_missing(name, self.model.missing_prefixes)))
+        self.model.load_weights(loader.checkpoint_weights(
+            config.model, lambda name: loader.is_pp_missing(name, self.model.missing_prefixes)))
         self.model.eval()
         if config.model.weight_dtype is not None:
             store_weights_as(self.model, config.model.weight_dtype)
@@ -86,8 +87,8 @@ class ModelRunner:
         seen = {}
         for p in self.model.parameters():
             seen[p.data_ptr()] = p.numel() * p.element_size()
-        quantized = sum(m.quant.nbytes for m in self.model.modules() if getattr(m, "quant", None) is not None)
-        return sum(seen.values()) + quantized
+        methods = {id(m.quant): m.quant for m in self.model.modules() if getattr(m, "quant", None) is not None}
+        return sum(seen.values()) + sum(q.nbytes for q in methods.values())  # a tied head's method once
 
     def kv_bytes_per_block(self) -> int:
         size = torch.empty((), dtype=self.config.model.dtype).element_size()
@@ -229,25 +230,35 @@ class ModelRunner:
 
     def _sample(self, requests: list[ScheduledRequest], logits: torch.Tensor | None, argmax: np.ndarray | None,
                 bitmask: GrammarBitmask | None = None) -> RunnerOutput:
-        """The sampled token (and its logprobs when asked) of each sampling row; `logits` holds those rows in order,
-        `argmax` (when given) each one's first largest logit."""
+        """The new tokens (and their logprobs when asked) of each sampling request; `logits` holds their rows in
+        order (with draft tokens, one per verified position), `argmax` (when given) each row's first largest logit."""
         result = RunnerOutput()
-        sampling = [i for i, s in enumerate(requests) if s.sample]
-        if not sampling:
+        rows, owners = [], []  # sampler rows, and the request id of each
+        for s in requests:
+            if s.sample:
+                rows += self._sampling_rows(s)
+                owners += [s.request_id] * (s.num_draft_tokens + 1)
+        if not rows:
             return result
-        rows = []
-        for i in sampling:
-            state = self.states[requests[i].request_id]
-            rows.append(SamplingRow(state.params, state.generator, state.prompt_token_ids, state.output_token_ids))
-        sampled = self.sampler(logits, rows, _grammar_rows(bitmask, [requests[i].request_id for i in sampling]),
-                               argmax)
-        for j, i in enumerate(sampling):
-            request_id = requests[i].request_id
-            result.sampled[request_id] = sampled.token_ids[j]
-            self.states[request_id].output_token_ids.append(sampled.token_ids[j])
+        sampled = self.sampler(logits, rows, _grammar_rows(bitmask, owners), argmax)
+        for j, request_id in enumerate(owners):
+            if sampled.emitted is not None and not sampled.emitted[j]:
+                continue
+            token = sampled.token_ids[j]
+            result.sampled.setdefault(request_id, []).append(token)
+            self.states[request_id].output_token_ids.append(token)
             if sampled.logprobs[j] is not None:
-                result.logprobs[request_id] = sampled.logprobs[j]
+                result.logprobs.setdefault(request_id, []).append(sampled.logprobs[j])
         return result
+
+    def _sampling_rows(self, s: ScheduledRequest) -> list[SamplingRow]:
+        """A request's sampler rows: one, or with draft tokens one per verified position, each seeing the drafts
+        before it as output tokens (penalties, min_tokens)."""
+        state = self.states[s.request_id]
+        outputs, drafts = state.output_token_ids, s.draft_token_ids
+        return [SamplingRow(state.params, state.generator, state.prompt_token_ids,
+                            outputs + drafts[:j] if j else outputs, drafts[j] if j < len(drafts) else None)
+                for j in range(len(drafts) + 1)]
 
     def _prompt_logprobs(self, requests: list[ScheduledRequest], hidden: torch.Tensor, result: RunnerOutput) -> None:
         end = 0
@@ -267,10 +278,17 @@ class ModelRunner:
                 first + 1, [TokenLogprobs(ids[j], lps[j], target_lp[j], rank[j]) for j in range(last - first)])
 
 
-def _grammar_rows(bitmask: GrammarBitmask | None, sampled_ids: list[str]) -> tuple[list[int], torch.Tensor] | None:
-    """The sampled rows under a grammar, in the order of the bitmask's rows (the engine wrote one per request
-    that samples this step)."""
+def _grammar_rows(bitmask: GrammarBitmask | None, row_owners: list[str]) -> tuple[list[int], torch.Tensor] | None:
+    """The sampler rows under a grammar, in the order of the bitmask's rows (the engine wrote one per sampled
+    position of each constrained request: its request id once per row)."""
     if bitmask is None:
         return None
-    position = {request_id: j for j, request_id in enumerate(sampled_ids)}
-    return [position[request_id] for request_id in bitmask.request_ids], bitmask.tensor()
+    first: dict[str, int] = {}
+    for j, request_id in enumerate(row_owners):
+        first.setdefault(request_id, j)
+    seen: dict[str, int] = {}
+    rows = []
+    for request_id in bitmask.request_ids:
+        rows.append(first[request_id] + seen.get(request_id, 0))
+        seen[request_id] = seen.get(request_id, 0) + 1
+    return rows, bitmask.tensor()

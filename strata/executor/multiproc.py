@@ -24,6 +24,7 @@ from strata.errors import ConfigError, EngineDeadError
 from strata.executor import protocol
 from strata.executor.model_runner import RunnerOutput
 from strata.executor.protocol import RankInfo, WorkerSpec, connect_store, shared_settings
+from strata.executor.spawn_guard import guard_message, refuse_engine_in_spawn_bootstrap, unguarded_main_script
 from strata.executor.step import SchedulerOutput
 from strata.executor.worker import worker_main
 
@@ -42,6 +43,7 @@ def _local_ranks(config: EngineConfig, node_rank: int) -> range:
 
 def spawn_workers(config: EngineConfig, ranks: Iterable[int], host: str, port: int) -> list:
     """Start one spawned process per rank (never fork: the parent may hold threads, CUDA or a server)."""
+    refuse_engine_in_spawn_bootstrap()
     ranks = list(ranks)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
@@ -212,6 +214,9 @@ class MultiprocExecutor:
                 for rank in sorted(set(range(world_size)) - set(infos)):
                     protocol.poll_rank(driver.store, rank)
                 reasons = [_describe_exit(p) for p in exited] + ([error] if error else [])
+                script = None if error or len(infos) else unguarded_main_script()
+                if script is not None:  # died before its handshake: the usual cause, named
+                    raise ConfigError(f"{reasons[0]} during start-up: {guard_message(script)}", param="__main__")
                 raise EngineDeadError("a worker failed during start-up: " + "; ".join(reasons))
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(infos))

@@ -47,6 +47,13 @@ class ScheduledRequest:
     sample: bool  # this step reaches the last known token, so the next one is sampled
     state_slot: int = -1
     new: NewRequestData | None = None
+    # Speculative decoding: the last `num_draft_tokens` of token_ids are draft tokens to verify; the step samples
+    # a token at every position from the last known token on and keeps those the drafts lead to.
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []
 
 
 @dataclass
@@ -59,6 +66,10 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(r.num_draft_tokens for r in self.requests)
 
     @property
     def empty(self) -> bool:

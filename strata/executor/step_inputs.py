@@ -117,7 +117,7 @@ def step_arrays(requests: Sequence[ScheduledRequest], block_size: int, nd: int, 
         "slot_mapping": slot_of(np.repeat(np.arange(len(requests)), lens), positions),
         "decode_block_tables": tables[:nd, :-(-int(seq_lens[:nd].max(initial=0)) // block_size)],
         "decode_seq_lens": seq_lens[:nd],
-        "logits_indices": query_start[1:][np.array([s.sample for s in requests], dtype=bool)] - 1,
+        "logits_indices": _logits_rows(requests, query_start),
     }
     continued = [i for i in range(nd, len(requests)) if starts[i] > 0]
     if triton:
@@ -133,6 +133,16 @@ def step_arrays(requests: Sequence[ScheduledRequest], block_size: int, nd: int, 
         if triton:
             arrays.update(_scan_chunks(arrays["mamba_query_start"], chunk_size))
     return arrays
+
+
+def _logits_rows(requests: Sequence[ScheduledRequest], query_start: np.ndarray) -> np.ndarray:
+    """Rows whose logits are sampled: each sampling request's last row, and before it the rows of the positions
+    its draft tokens are verified at."""
+    ends = query_start[1:]
+    if not any(s.num_draft_tokens for s in requests):
+        return ends[np.array([s.sample for s in requests], dtype=bool)] - 1
+    return np.concatenate([np.arange(end - 1 - s.num_draft_tokens, end)
+                           for s, end in zip(requests, ends, strict=True) if s.sample] or [np.zeros(0, np.int64)])
 
 
 def scan_chunk_size(device: torch.device) -> int:

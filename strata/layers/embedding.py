@@ -10,6 +10,8 @@ from strata.layers.linear import PackableLinear, _copy_checked
 
 
 class VocabParallelEmbedding(nn.Module):
+    quant = None  # a table kept in blocks (GGUF): rows are looked up through it
+
     def __init__(self, vocab_size: int, hidden_size: int, pc: ParallelContext,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -32,12 +34,17 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # .to: a table stored narrower than the activations (strata.layers.stored_dtype) is widened row by row.
         if self.pc.tp_size == 1:
-            return F.embedding(input_ids, self.weight).to(self.dtype)
+            return self._rows(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).to(self.dtype)
+        out = self._rows(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.pc.all_reduce(out)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.embed(ids).to(self.dtype)
+        return F.embedding(ids, self.weight).to(self.dtype)
 
     def collectives(self, step: StepSize) -> list[Collective]:
         # Tokens enter on the first stage; a later stage holds the embedding only for a tied LM head.

@@ -211,6 +211,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
+        self.total_q, self.total_kv = num_heads * head_dim, num_kv_heads * head_dim  # rows in the checkpoint
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden_size, out, pc, bias, dtype=dtype)
 
@@ -221,11 +222,21 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_heads * self.head_dim, kv, kv
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        [(offset, start, size)] = self.out_pieces(shard_id)
-        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+        """One of q, k, v (shard_id "q", "k", "v"), or a checkpoint tensor that fuses them (None, e.g. Phi-3's
+        qkv_proj): each is cut out of it before it is sharded, as a contiguous split of the fused rows would mix
+        q rows with k and v rows."""
+        if shard_id is None and loaded.shape[0] != self.total_q + 2 * self.total_kv:
+            raise ValueError(f"shape mismatch: expected {self.total_q + 2 * self.total_kv} fused q/k/v rows, "
+                             f"checkpoint has {tuple(loaded.shape)}")
+        for offset, start, size in self.out_pieces(shard_id):
+            _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
     def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
         q, kv, _ = self.sizes
+        if shard_id is None:  # a fused checkpoint tensor: q rows, then k rows, then v rows
+            (q_piece,), (k_piece,), (v_piece,) = (self.out_pieces(s) for s in ("q", "k", "v"))
+            return [q_piece, (k_piece[0], self.total_q + k_piece[1], kv),
+                    (v_piece[0], self.total_q + self.total_kv + v_piece[1], kv)]
         if shard_id == "q":
             return [(0, self.pc.tp_rank * q, q)]
         if shard_id in ("k", "v"):

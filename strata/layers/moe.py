@@ -3,6 +3,7 @@ optional `experts_int8` weight-only quantization (int8 weights, one scale per ou
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,24 @@ def topk_sigmoid_routing(router_logits: torch.Tensor, top_k: int) -> tuple[torch
     """
     values, ids = torch.topk(router_logits, top_k, dim=-1)
     return torch.sigmoid(values.float()), ids
+
+
+def topk_softmax_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral / Qwen-MoE routing: a softmax over all experts in float32, its k largest probabilities, divided by
+    their sum when `renormalize` (Qwen3-MoE's `norm_topk_prob`).
+
+    Returns (weights [T, k] float32, expert ids [T, k]).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    values, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        values = values / values.sum(dim=-1, keepdim=True)
+    return values, ids
+
+
+# (router logits [T, E], k) -> (weights [T, k] float32, expert ids [T, k])
+Routing = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def expert_params_mapping(num_experts: int, prefix: str = ".experts.",
@@ -60,14 +79,16 @@ class FusedMoE(nn.Module):
     as each checkpoint tensor arrives, so the full-precision experts never exist in memory.
     A checkpoint that stores its experts quantized replaces both by its stored tensors and sets `quant`
     (strata.layers.quantization.moe_method), which then runs each expert from its packed weights.
+    `routing` turns router logits into each token's expert weights and ids (Llama 4's sigmoid by default).
     """
 
     quant = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  pc: ParallelContext, dtype: torch.dtype, quantization: str | None = None,
-                 apply_router_weight_on_input: bool = True) -> None:
+                 apply_router_weight_on_input: bool = True, routing: Routing = topk_sigmoid_routing) -> None:
         super().__init__()
+        self.routing = routing
         if intermediate_size % pc.tp_size:
             raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by "
                              f"tp_size {pc.tp_size}")
@@ -146,7 +167,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H], router_logits: [T, E] -> this rank's partial output [T, H]."""
-        weights, ids = topk_sigmoid_routing(router_logits, self.top_k)
+        weights, ids = self.routing(router_logits, self.top_k)
         flat_ids = ids.flatten()
         # Group the (token, choice) pairs by expert so each expert runs one matmul over its tokens only.
         order = flat_ids.argsort(stable=True)

@@ -1,5 +1,6 @@
-"""Rotary position embeddings (half-split "neox" and interleaved-pair styles), with llama3 scaling; a decode
-step's heads on CPU are rotated in place by a small C kernel (one call for q and k instead of a dozen ops)."""
+"""Rotary position embeddings (half-split "neox" and interleaved-pair styles, over the whole head or its first
+`rotary_dim` dimensions), with llama3 and LongRoPE scaling; a decode step's heads on CPU are rotated in place by a
+small C kernel (one call for q and k instead of a dozen ops)."""
 from __future__ import annotations
 
 import ctypes
@@ -35,11 +36,32 @@ def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
     if params:
         base = params.get("rope_theta", config.get("rope_theta", 10000.0))
         kind = params.get("rope_type", params.get("type", "default"))
-        return base, (dict(params) if kind != "default" else None)
+        return base, (_with_longrope_lengths(dict(params), config) if kind != "default" else None)
     scaling = config.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    return config.get("rope_theta", 10000.0), scaling
+    return config.get("rope_theta", 10000.0), scaling and _with_longrope_lengths(dict(scaling), config)
+
+
+def partial_rotary_factor(config: Any) -> float:
+    """The share of each head that rotates: from `rope_parameters` (transformers 5) or the config's top level."""
+    params = config.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+
+
+def _with_longrope_lengths(scaling: dict[str, Any], config: Any) -> dict[str, Any]:
+    """A LongRoPE dict (`su` is its old name) completed with the lengths it needs, as transformers completes it:
+    `original_max_position_embeddings` from the config's top level when set there (Phi-3 keeps it there), and the
+    `factor` that sets the attention scaling, else max_position_embeddings / original_max_position_embeddings."""
+    if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return scaling
+    original = config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    if original is None:
+        original = config.get("max_position_embeddings")
+    scaling["rope_type"], scaling["original_max_position_embeddings"] = "longrope", original
+    if scaling.get("factor") is None:
+        scaling["factor"] = config.get("max_position_embeddings", original) / original
+    return scaling
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -54,18 +76,58 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
+def longrope_inv_freq(base: float, rotary_dim: int, scaling: dict[str, Any], max_model_len: int | None
+                      ) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): (inverse frequencies, the factor cos and sin are multiplied by).
+
+    Each frequency is divided by a per-dimension factor: `long_factor` when the engine may run sequences past
+    `original_max_position_embeddings` (max_model_len longer than it), else `short_factor`, chosen once for every
+    position and sequence, as vLLM chooses. transformers instead switches per forward pass by the longest sequence
+    in it, which would leave a sequence that grows past the original length with keys cached under the short
+    factors beside queries under the long ones; here a cached key keeps the rotation it was written with, so the
+    KV cache (and the prefix cache) stays valid. The cost is vLLM's: a server started with a long max_model_len
+    uses the long factors for short prompts too (start it with max_model_len <= the original length to avoid it).
+    """
+    original = scaling["original_max_position_embeddings"]
+    long = max_model_len is not None and max_model_len > original
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if factors.numel() != rotary_dim // 2:
+        raise UnsupportedModelError(f"rope_scaling {'long' if long else 'short'}_factor has {factors.numel()} "
+                                    f"values; the rotary dimensions need {rotary_dim // 2}", param="rope_scaling")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (factors * base ** exponents)
+    factor = scaling.get("factor", 1.0)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:  # the LongRoPE paper's: sqrt(1 + ln(s) / ln(L)) for a context s times L
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
+    """`rotary_dim`: the leading dimensions of each head that rotate (partial rotary), the whole head by default;
+    `max_model_len`: the longest sequence the engine runs (LongRoPE chooses its factors by it)."""
+
     def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None = None,
-                 interleaved: bool = False) -> None:
+                 interleaved: bool = False, *, rotary_dim: int | None = None, max_model_len: int | None = None
+                 ) -> None:
         super().__init__()
         self.head_dim, self.interleaved = head_dim, interleaved
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.rotary_dim = dim = rotary_dim or head_dim
+        if dim % 2 or dim > head_dim or (interleaved and dim != head_dim):
+            raise UnsupportedModelError(f"a rotary dimension of {dim} in heads of {head_dim} is not supported "
+                                        "(it must be even, and whole heads for interleaved pairs)",
+                                        param="partial_rotary_factor")
+        self.mscale = 1.0  # cos and sin are multiplied by it (LongRoPE's attention scaling)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind != "llama3":
-                raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: llama3)",
-                                            param="rope_scaling")
-            inv_freq = llama3_inv_freq(inv_freq, scaling)
+            if kind == "llama3":
+                inv_freq = llama3_inv_freq(inv_freq, scaling)
+            elif kind in ("longrope", "su"):
+                inv_freq, self.mscale = longrope_inv_freq(base, dim, scaling, max_model_len)
+            else:
+                raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: llama3, "
+                                            "longrope)", param="rope_scaling")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # The step's positions and dtype, its cos/sin, and (once asked for) its half-split tables.
         self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -74,6 +136,8 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        if self.mscale != 1.0:
+            return (freqs.cos() * self.mscale).to(dtype), (freqs.sin() * self.mscale).to(dtype)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     def float_tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +172,9 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._step_cos_sin(positions, q.dtype)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
+        if self.rotary_dim < self.head_dim:  # the first rotary_dim dimensions rotate, the rest pass through
+            cos, sin = self._tables(positions, q.dtype)
+            return self._rotate_leading(q, cos, sin), self._rotate_leading(k, cos, sin)
         if _kernel_serves(q, self.head_dim) and _kernel_serves(k, self.head_dim):
             return self._rotate_in_place(positions, q, k)
         cos, sin = self._tables(positions, q.dtype)
@@ -121,6 +188,10 @@ class RotaryEmbedding(nn.Module):
             _library().rope_half_split(x.data_ptr(), x.shape[0], x.shape[1], self.head_dim, x.stride(0),
                                        cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype])
         return q, k
+
+    def _rotate_leading(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        d = self.rotary_dim
+        return torch.cat((self._rotate_half_split(x[..., :d], cos, signed_sin), x[..., d:]), dim=-1)
 
     @staticmethod
     def _rotate_half_split(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

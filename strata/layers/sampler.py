@@ -2,6 +2,13 @@
 
 A seeded request draws from its own generator, row by row, so it gets the same tokens whatever else
 is in the batch; the other rows draw together from the engine's generator.
+
+Speculative decoding verifies draft tokens here: a request's rows for the positions of its drafts come one after
+the other, each row naming the draft token it checks. Every row samples its token as it would without drafts (one
+uniform number through the target's inverse CDF), and the draft stands when the sampled token equals it: that is
+rejection sampling for a deterministic proposer (q = 1 for its token), accepted with probability p(draft), and a
+rejection's token follows p with the draft removed and renormalised. A seeded row draws only while the rows before
+it stood, so a seeded request consumes one number per emitted token, with or without drafts.
 """
 from __future__ import annotations
 
@@ -21,13 +28,17 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # with the drafts before this row's position when it verifies one
+    # The draft token proposed at this position: the next row (the same sequence, one position on) counts only
+    # if this row samples it. None for a row that ends its sequence's rows.
+    draft: int | None = None
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # per row, when logprobs were asked
+    emitted: list[bool] | None = None  # with drafts: whether each row's token is emitted (None: every row's)
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
@@ -74,13 +85,14 @@ class Sampler:
         else:
             tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
+        emitted = emitted_rows(rows, token_list) if any(r.draft is not None for r in rows) else None
         if raw_logprobs is None:
-            return SamplerOutput(token_list, [None] * len(rows))
+            return SamplerOutput(token_list, [None] * len(rows), emitted)
         k = max(x or 0 for x in want_logprobs)
         top_ids, top_lp, chosen_lp, rank = (t.tolist() for t in top_logprobs(raw_logprobs, tokens, k))
         logprobs = [None if want is None else TokenLogprobs(top_ids[i][:want], top_lp[i][:want], chosen_lp[i], rank[i])
                     for i, want in enumerate(want_logprobs)]
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, logprobs, emitted)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
@@ -95,16 +107,38 @@ class Sampler:
         # Inverse-CDF sampling: one uniform number per row (from the row's own generator when seeded);
         # an order of magnitude faster than torch.multinomial over a large vocabulary on CPU.
         uniform = torch.rand(len(rows), 1, generator=self.default_generator, device=device)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                uniform[i] = torch.rand(1, generator=row.generator, device=device)
         cdf = probs.cumsum(-1)
         sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
         sampled = sampled.clamp_(max=probs.shape[1] - 1)
-        if not any(r.params.greedy for r in rows):
-            return sampled
-        is_greedy = torch.tensor([r.params.greedy for r in rows], device=device)
-        return torch.where(is_greedy, greedy(logits), sampled)
+        if any(r.params.greedy for r in rows):
+            is_greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+            sampled = torch.where(is_greedy, greedy(logits), sampled)
+        if any(r.generator is not None for r in rows):
+            _sample_seeded_rows(sampled, cdf, rows)
+        return sampled
+
+
+def _sample_seeded_rows(sampled: torch.Tensor, cdf: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Seeded rows draw from their own generator, in row order, and only while the rows before them in their
+    sequence sampled the draft they verify (a row past a rejected draft emits nothing and must not draw)."""
+    standing = True  # the previous row, when it verifies a draft, sampled that draft
+    for i, row in enumerate(rows):
+        if row.generator is not None and standing:
+            u = torch.rand(1, generator=row.generator, device=cdf.device)
+            if not row.params.greedy:
+                token = torch.searchsorted(cdf[i], u * cdf[i, -1], right=True)
+                sampled[i] = token.clamp_(max=cdf.shape[1] - 1)[0]
+        standing = row.draft is None or (standing and int(sampled[i]) == row.draft)
+
+
+def emitted_rows(rows: list[SamplingRow], tokens: list[int]) -> list[bool]:
+    """Whether each row's token is emitted: a sequence's first row always, a later row while every row before it
+    sampled the draft it verifies."""
+    emitted, standing = [], True
+    for row, token in zip(rows, tokens, strict=True):
+        emitted.append(standing)
+        standing = row.draft is None or (standing and token == row.draft)
+    return emitted
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, row_indices: list[int], bitmask: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args = self.args_class.from_hf(config.text_config)
         self.pc, self.dtype, self.quantization = pc, config.dtype, config.quantization
+        self.max_model_len = config.max_model_len  # LongRoPE picks its factors by it, once
         self.start, self.end = pp_layer_range(args.num_layers, pc.pp_rank, pc.pp_size, layer_partition)
         self.missing_prefixes: list[str] = []
         tied, names = args.tie_word_embeddings, self.names

@@ -10,7 +10,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from strata.config import ModelConfig
 from strata.errors import ConfigError
+from strata.gguf.reader import GGUFModel
+from strata.gguf.weights import GGUFTensor, iterate_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,15 @@ def iterate_weights(folder: str | Path, skip: Callable[[str], bool] = lambda nam
             for name in f.keys():
                 if not skip(name):
                     yield name, f.get_tensor(name)
+
+
+def checkpoint_weights(model: ModelConfig, skip: Callable[[str], bool] = lambda name: False, meta: bool = False
+                       ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """The model's tensors under their checkpoint names, from its safetensors files or its GGUF file(s) (quantized
+    GGUF tensors in their blocks); with `meta`, GGUF tensors as shapes only."""
+    if model.gguf_files:
+        return iterate_gguf(GGUFModel(model.gguf_files), skip, meta)
+    return iterate_weights(model.path, skip)
 
 
 def checkpoint_names(folder: str | Path) -> list[str]:

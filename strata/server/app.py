@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from strata import __version__
 from strata.engine.async_engine import AsyncEngine
 from strata.errors import AuthError, ConfigError, EngineDeadError, NotFoundError, RequestError, StrataError
+from strata.server.contract import ServedLimits
 from strata.server.gate import Gate, GateMiddleware, error_headers
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi import install_openapi, route_doc
@@ -50,14 +51,16 @@ _M = TypeVar("_M", bound=BaseModel)
 
 def error_response(exc: BaseException) -> Response:
     """Every error the server answers with, in OpenAI's shape `{"error": {message, type, param, code}}`."""
+    headers = error_headers(exc)
     if isinstance(exc, StarletteHTTPException):
+        headers.update(exc.headers or {})  # a 405's `Allow`, which RFC 9110 requires
         exc = _http_exception_error(exc)
     elif isinstance(exc, RequestValidationError):  # only if a route ever lets FastAPI parse its body
         exc = RequestError(f"invalid request: {exc.errors()}")
     status, body = error_body(exc)
     if status >= 500 and status != 503:
         logger.error("request failed: %s", body.error.message)
-    return Response(body.model_dump_json(), status_code=status, media_type=_JSON, headers=error_headers(exc))
+    return Response(body.model_dump_json(), status_code=status, media_type=_JSON, headers=headers)
 
 
 async def _handle_error(_request: Request, exc: Exception) -> Response:
@@ -74,11 +77,17 @@ def json_response(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type=_JSON)
 
 
+def _json_number(text: str) -> float | int:
+    """JSON has one number type: 2.0 is the integer 2 (as JSON Schema counts it), so integer fields take it."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
 async def parse_body(request: Request, schema: type[_M]) -> _M:
     """Parse the body ourselves, so that bad JSON and bad fields get our 400 messages naming the field."""
     raw = await request.body()
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_float=_json_number)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}", param="body") from None
     except RecursionError:
@@ -129,6 +138,15 @@ def auto_tool_parser(args: argparse.Namespace | None) -> str | None:
     if enabled and parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser", param="tool_call_parser")
     return parser if enabled else None
+
+
+def served_limits(engine: AsyncEngine, auto_tool_choice: bool) -> ServedLimits:
+    config = engine.config
+    return ServedLimits(
+        model_names=tuple(config.served_model_names), vocab_size=config.model.vocab_size,
+        max_model_len=config.model.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
+        image_input=getattr(engine.engine, "mm_processor", None) is not None,
+        empty_text_has_tokens=bool(engine.tokenizer("").input_ids), auto_tool_choice=auto_tool_choice)
 
 
 def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate: Gate | None = None) -> FastAPI:
@@ -187,7 +205,8 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
     _add_plain_routes(app, engine, metrics, chat)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
                     [CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ModelList, LoadResponse,
-                     VersionResponse, TokenizerInfo, TokenizeResponse, DetokenizeResponse])
+                     VersionResponse, TokenizerInfo, TokenizeResponse, DetokenizeResponse],
+                    served_limits(engine, chat.tool_call_parser is not None))
     return app
 
 

@@ -27,7 +27,8 @@ _VLLM_FAMILIES = frozenset({
     "prefix_cache_hits", "num_preemptions", "request_success", "prompt_tokens", "generation_tokens",
     "time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
     "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
-    "request_generation_tokens"})
+    "request_generation_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"})
 
 
 class _EngineCollector(Collector):
@@ -67,6 +68,26 @@ class _EngineCollector(Collector):
         info.add_metric([], {"block_size": str(cache.block_size), "num_gpu_blocks": str(stats["total_blocks"]),
                              "enable_prefix_caching": str(cache.enable_prefix_caching)})
         yield info
+        if stats.get("spec_decode") is not None:
+            yield from _spec_decode_metrics(stats["spec_decode"], labels, values)
+
+
+def _spec_decode_metrics(spec: Any, labels: list[str], values: list[str]) -> Iterator[Metric]:
+    """Speculative decoding's counters (vLLM's): verification steps with drafts, draft tokens, accepted draft
+    tokens, and accepted ones by position in the draft."""
+    for name, doc, value in (
+            ("spec_decode_num_drafts", "Verification steps that carried draft tokens.", spec.num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+        metric = CounterMetricFamily(f"strata:{name}", doc, labels=labels)
+        metric.add_metric(values, value)
+        yield metric
+    per_pos = CounterMetricFamily("strata:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft (0 = first).",
+                                  labels=[*labels, "position"])
+    for position, count in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([*values, str(position)], count)
+    yield per_pos
 
 
 class _VllmNames(Collector):

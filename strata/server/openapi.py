@@ -11,6 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from strata.server.contract import ServedLimits, add_request_contract
 from strata.server.protocol import ChatCompletionChunk, ErrorResponse
 
 _REF = "#/components/schemas/{model}"
@@ -62,9 +63,10 @@ def route_doc(request: Any, response: Any, *, auth: bool = False, stream: bool =
     return {"responses": responses, "openapi_extra": extra, "response_class": Response}
 
 
-def install_openapi(app: FastAPI, requests: list[type[BaseModel]], answers: list[type[BaseModel]]) -> None:
-    """Make app.openapi() add the models the routes' docs refer to: `requests` as they validate, `answers` as
-    they serialize."""
+def install_openapi(app: FastAPI, requests: list[type[BaseModel]], answers: list[type[BaseModel]],
+                    limits: ServedLimits) -> None:
+    """Make app.openapi() add the models the routes' docs refer to: `requests` as they validate (and as the
+    served model's limits and the server's rules between fields tighten them), `answers` as they serialize."""
 
     def build() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -74,6 +76,7 @@ def install_openapi(app: FastAPI, requests: list[type[BaseModel]], answers: list
             for mode, models in (("validation", requests), ("serialization", answers)):
                 for model in models:
                     _add_model(components, model, mode)
+            add_request_contract(components, limits)
             app.openapi_schema = schema
         return app.openapi_schema
 

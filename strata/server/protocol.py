@@ -8,12 +8,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strata.errors import RequestError, StrataError
+from strata.sampling_params import MAX_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Counts beyond int64 are nonsense (and overflow tensors): 400. Large ones inside it are clamped (max_tokens) or
 # checked against the engine (n) by serving.
 MAX_STOP_STRINGS = 256
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 def random_id(prefix: str) -> str:
@@ -22,11 +26,12 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     # Unknown fields are accepted and ignored, as OpenAI and vLLM do; serving logs their names. NaN and infinity
-    # (which Python's JSON reader accepts) are refused.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # (which Python's JSON reader accepts) are refused. Strict: "5", true and 1.0 are not integers, 1 is not a
+    # boolean, as /openapi.json says.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Request):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
@@ -35,22 +40,24 @@ class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
-    n: Int64 = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None
-    min_p: float | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    # The ranges SamplingParams enforces, here too so that /openapi.json states them (contract.py adds the
+    # served model's limits and the rules between fields).
+    n: Annotated[int, Field(ge=1, le=INT64_MAX)] = 1
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX, description="-1 or 0: no top-k")] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Int64 | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = None
-    min_tokens: Int64 = 0
+    stop_token_ids: Annotated[list[Count], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Annotated[Count, Field(description="capped at max_tokens")] = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    prompt_logprobs: int | None = None
+    prompt_logprobs: LogprobCount | None = None
     return_tokens_as_token_ids: bool | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
@@ -63,13 +70,13 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     # list[int] first: smart-mode unions then keep token ids as ints.
     prompt: list[int] | list[list[int]] | str | list[str]
-    max_tokens: Int64 | None = 16
+    max_tokens: Count | None = Field(16, description="0 only with echo: the prompt alone")
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: LogprobCount | None = None
     best_of: int | None = None
     suffix: str | None = None
     use_beam_search: bool = False
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None
 
@@ -87,23 +94,24 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: Int64 | None = None
-    max_completion_tokens: Int64 | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # for RAG chat templates (`documents=` of the template)
 
 
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -186,6 +194,9 @@ class DeltaToolCall(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # The thinking, with --reasoning-parser: under vLLM's first name (DeepSeek's API's too) and its newer one.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -224,6 +235,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # as in ChatMessageOut
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -85,7 +85,9 @@ class Serving:
         return SamplingParams(
             n=req.n, temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
             top_k=given(req.top_k, -1), min_p=given(req.min_p, 0.0), seed=req.seed, max_tokens=max_tokens,
-            min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            # min_tokens above max_tokens stops at max_tokens: JSON Schema cannot compare two fields for /openapi.json.
+            min_tokens=req.min_tokens if max_tokens is None else min(req.min_tokens, max_tokens),
+            stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=given(req.presence_penalty, 0.0), frequency_penalty=given(req.frequency_penalty, 0.0),

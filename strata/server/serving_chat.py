@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages -> chat template -> engine -> a response or an SSE stream."""
+"""POST /v1/chat/completions: messages -> chat template -> engine -> a response or an SSE stream. With a reasoning
+parser the thinking goes to `reasoning_content` and the answer after it to content and tool calls."""
 from __future__ import annotations
 
 import time
@@ -34,8 +35,9 @@ from strata.server.serving import (
     sse_with_errors,
     usage,
 )
-from strata.server.tool_parsers import ParsedCall
-from strata.server.tools import ToolPlan, plan_tools, template_messages, tool_call_id
+from strata.server.tool_parsers import ParsedCall, tool_call_markers
+from strata.server.tools import ToolPlan, plan_tools, template_messages
+from strata.tokenizer import chat_template_keywords, drops_special_markers
 
 
 @dataclass
@@ -46,6 +48,7 @@ class _ChatJob:
     params: SamplingParams
     req: ChatCompletionRequest
     tools: ToolPlan
+    thinks_first: bool | None = None  # whether the output starts with thinking; None without a reasoning parser
 
 
 class ChatServing(Serving):
@@ -54,21 +57,24 @@ class ChatServing(Serving):
         """`tool_call_parser`: the parser of `tool_choice="auto"` (None: auto is refused)."""
         super().__init__(*args, **kwargs)
         self.tool_call_parser = tool_call_parser
+        self.reasoning = self.engine.reasoning
+        # Parsers read the detokenized text, from which skip_special_tokens drops markers that are special tokens
+        # (Mistral's [TOOL_CALLS], Granite's <|tool_call|>): such requests keep special tokens.
+        self.tool_markers_special = tool_call_parser is not None and drops_special_markers(
+            self.tokenizer, tool_call_markers(tool_call_parser))
+        self.think_markers_special = self.reasoning is not None and drops_special_markers(
+            self.tokenizer, (self.reasoning.start, self.reasoning.end))
         self.chat_template = chat_template
         self.media_options = {"allowed_local_media_path": allowed_local_media_path,
                               "allow_remote_media": allow_remote_media}
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: str | None = None,
-               template_kwargs: dict[str, Any] | None = None, validate: bool = True) -> ProcessedPrompt:
+               template_kwargs: dict[str, Any] | None = None, validate: bool = True, **fields: Any) -> ProcessedPrompt:
         """The conversation as a prompt, validated unless asked not to (the template carries its own BOS, so
-        none is added)."""
-        kwargs = dict(template_kwargs or {})
-        if continue_final_message:
-            if add_generation_prompt:
-                raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
-                                   param="continue_final_message")
-            kwargs["continue_final_message"] = True
+        none is added). `template_kwargs`: the request's chat_template_kwargs; `fields`: its tools and documents."""
+        add_generation_prompt, kwargs = chat_template_keywords(template_kwargs, add_generation_prompt,
+                                                               continue_final_message, **fields)
         return self.engine.render_chat(template_messages([m.model_dump(exclude_none=True) for m in messages]),
                                        chat_template or self.chat_template, add_generation_prompt,
                                        template_kwargs=kwargs, validate=validate, **self.media_options)
@@ -100,12 +106,20 @@ class ChatServing(Serving):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                       prompt_logprobs=req.prompt_logprobs, structured_outputs=tools.constraint)
-        template_kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:
-            template_kwargs["tools"] = req.tools
+        if (tools.mode == "auto" and self.tool_markers_special) or self.think_markers_special:
+            params = params.clone(skip_special_tokens=False)
         prompt = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                             req.chat_template, template_kwargs)
-        return _ChatJob(random_id("chatcmpl"), model, prompt, params, req, tools)
+                             req.chat_template, req.chat_template_kwargs, tools=req.tools or None,
+                             documents=req.documents)
+        thinks_first = None if self.reasoning is None else self.reasoning.thinks_first(
+            prompt.token_ids, prompt.chat_template_kwargs)
+        return _ChatJob(random_id("chatcmpl"), model, prompt, params, req, tools, thinks_first)
+
+    def _parts(self, job: _ChatJob, text: str, finished: bool) -> tuple[str | None, str | None]:
+        """(thinking, answer) of an output's text; the answer is None while the output still thinks."""
+        if job.thinks_first is None:
+            return None, text
+        return self.reasoning.split(text, job.thinks_first, finished)
 
     def _logprobs(self, job: _ChatJob, token_ids: list[int], seq: CompletionOutput, start: int = 0):
         if not job.req.logprobs:
@@ -117,9 +131,12 @@ class ChatServing(Serving):
     def _response(self, job: _ChatJob, out: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for seq in out.outputs:
-            content, calls = job.tools.calls(seq.text)
-            message = ChatMessageOut(content=content, tool_calls=[
-                ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+            reasoning, answer = self._parts(job, seq.text, True)
+            content, calls = job.tools.calls(answer) if answer is not None else (None, [])
+            if reasoning is not None and not content:
+                content = None  # nothing after the thinking (as vLLM)
+            message = ChatMessageOut(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=[
+                ToolCall(id=job.tools.new_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                 for c in calls])
             choices.append(ChatChoice(index=seq.index, message=message,
                                       logprobs=self._logprobs(job, seq.token_ids, seq),
@@ -136,8 +153,9 @@ class ChatServing(Serving):
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         n, num_prompt = job.params.n, len(job.prompt.token_ids)
-        sent_tokens, sent_text, done = [0] * n, [0] * n, [False] * n
-        tool_ids = [tool_call_id() for _ in range(n)]  # of a named call, sent with its first delta
+        # Per choice: tokens, answer and thinking characters sent; whether finished.
+        sent_tokens, sent_text, sent_thinking, done = [0] * n, [0] * n, [0] * n, [False] * n
+        tool_ids = [job.tools.new_id() for _ in range(n)]  # of a named call, sent with its first delta
 
         def chunk(choice: ChatStreamChoice, tokens: int) -> str:
             return sse(_chunk(job, [choice], usage(num_prompt, tokens) if continuous else None))
@@ -150,9 +168,14 @@ class ChatServing(Serving):
                 if done[j] or (len(seq.token_ids) == sent_tokens[j] and not finished):
                     continue
                 new_ids = seq.token_ids[sent_tokens[j]:]
-                deltas, calls, streamed = _deltas(job.tools, seq, sent_text[j], finished, tool_ids[j])
+                thinking, answer = self._parts(job, seq.text, finished)
+                deltas, calls, streamed = [], [], sent_text[j]
+                if answer is not None and (answer or finished):
+                    deltas, calls, streamed = _deltas(job.tools, answer, sent_text[j], finished, tool_ids[j])
+                deltas = _with_thinking((thinking or "")[sent_thinking[j]:], deltas)
                 logprobs = self._logprobs(job, new_ids, seq, sent_tokens[j])
                 sent_tokens[j], sent_text[j], done[j] = len(seq.token_ids), streamed, finished
+                sent_thinking[j] = len(thinking or "")
                 for k, delta in enumerate(deltas):  # the last carries the finish reason
                     last = k == len(deltas) - 1
                     yield chunk(ChatStreamChoice(
@@ -167,14 +190,23 @@ def _finish_reason(reason: str | None, calls: list[ParsedCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _deltas(tools: ToolPlan, seq: CompletionOutput, sent: int, finished: bool, named_id: str
+def _with_thinking(thinking: str, deltas: list[DeltaMessage]) -> list[DeltaMessage]:
+    """The deltas (at least one), the first carrying the new thinking too."""
+    if not deltas:
+        deltas = [DeltaMessage()]
+    if thinking:
+        deltas[0].reasoning_content = deltas[0].reasoning = thinking
+    return deltas
+
+
+def _deltas(tools: ToolPlan, text: str, sent: int, finished: bool, named_id: str
             ) -> tuple[list[DeltaMessage], list[ParsedCall], int]:
-    """One choice's next deltas (at least one), the calls it completes, and how much of the text is sent now.
+    """One choice's next deltas (at least one) for its answer `text`, the calls it completes, and how much of the
+    text is sent now.
 
     A named call streams its arguments as they come (the output is the arguments). Auto streams content up to
     where a call may begin; required and auto calls are parsed from the whole output, so they go out at the end:
     per call one delta with index, id and name, then one with its arguments."""
-    text = seq.text
     if tools.mode == "none":
         return [DeltaMessage(content=text[sent:])], [], len(text)
     if tools.mode == "named":
@@ -194,7 +226,7 @@ def _deltas(tools: ToolPlan, seq: CompletionOutput, sent: int, finished: bool, n
     rest = content[len(streamed):] if content and content.startswith(streamed) else None
     deltas = [DeltaMessage(content=rest or None)]
     for i, call in enumerate(calls):
-        deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=tool_call_id(), type="function",
+        deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=tools.new_id(), type="function",
                                                              function=FunctionCall(name=call.name, arguments=""))]))
         deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=i, function=FunctionCall(
             arguments=call.arguments))]))

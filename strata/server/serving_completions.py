@@ -63,9 +63,9 @@ class CompletionServing(Serving):
             raise RequestError("beam search is not supported", param="use_beam_search")
         if req.suffix:
             raise RequestError("suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise RequestError(f"best_of={req.best_of} is not supported: strata returns the n={req.n} samples "
-                               "it draws and does not rank extra ones; leave best_of out or set it to n",
+        if req.best_of is not None and (req.best_of != 1 or req.n != 1):
+            raise RequestError(f"best_of={req.best_of} with n={req.n} is not supported: strata returns the samples "
+                               "it draws and ranks no extra ones; leave best_of out and ask for n samples",
                                param="best_of")
         self.check_logprobs(req.logprobs, "logprobs")
         prompt_only = req.echo and req.max_tokens == 0

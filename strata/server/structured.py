@@ -36,6 +36,9 @@ def from_structured_outputs(value: dict[str, Any] | None) -> StructuredOutputsPa
     if unknown:
         raise RequestError(f"structured_outputs has unknown fields {unknown}; the fields are {list(_FIELDS)}",
                            param="structured_outputs")
+    if not isinstance(value.get("disable_any_whitespace", False), bool | None):
+        raise RequestError("structured_outputs.disable_any_whitespace must be a boolean",
+                           param="structured_outputs.disable_any_whitespace")
     return StructuredOutputsParams(**{k: v for k, v in value.items() if v is not None})
 
 

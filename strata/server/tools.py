@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from strata.errors import RequestError
 from strata.sampling_params import StructuredOutputsParams
-from strata.server.tool_parsers import ParsedCall, ToolParser, leftover, tool_call_markers, tool_parsers
+from strata.server.tool_parsers import (
+    ParsedCall,
+    ToolParser,
+    leftover,
+    tool_call_ids,
+    tool_call_markers,
+    tool_parsers,
+)
 from strata.structured.json_schema import load_schema
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -24,6 +31,7 @@ class ToolPlan:
     name: str | None = None  # the named function
     parser: ToolParser | None = None
     markers: tuple[str, ...] = ()  # auto: where a call may begin in the text
+    new_id: Callable[[], str] = tool_call_ids(None)  # the id of a call (the parser's format, e.g. Mistral's)
 
     def streamable(self, text: str) -> int:
         """Auto: how much of the text can stream as content, being before any (possibly partial) call marker."""
@@ -53,10 +61,6 @@ class ToolPlan:
         return text, []
 
 
-def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
 def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """Tool name -> its parameters schema; malformed definitions are refused naming `tools`."""
     found: dict[str, dict[str, Any]] = {}
@@ -70,8 +74,8 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
             raise RequestError(f"tools[{i}].function.name must be a non-empty string", param="tools")
         if name in found:
             raise RequestError(f"tools[{i}]: the function name {name!r} is given twice", param="tools")
-        schema = function.get("parameters") or _NO_ARGUMENTS
-        found[name] = load_schema(schema, f"tools[{i}].function.parameters")
+        schema = function.get("parameters")
+        found[name] = _NO_ARGUMENTS if schema in (None, {}) else load_schema(schema, f"tools[{i}].function.parameters")
     return found
 
 
@@ -88,21 +92,25 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         return ToolPlan("none")
     if not schemas:
         raise RequestError(f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
+    new_id = tool_call_ids(auto_parser)
     if tool_choice == "auto":
         if auto_parser is None:
             raise RequestError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
                                "--tool-call-parser", param="tool_choice")
-        return ToolPlan("auto", parser=tool_parsers()[auto_parser], markers=tool_call_markers(auto_parser))
+        return ToolPlan("auto", parser=tool_parsers()[auto_parser], markers=tool_call_markers(auto_parser),
+                        new_id=new_id)
     if tool_choice == "required":
-        return ToolPlan("required", StructuredOutputsParams(json=required_schema(schemas)))
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+        return ToolPlan("required", StructuredOutputsParams(json=required_schema(schemas)), new_id=new_id)
+    named = isinstance(tool_choice, dict) and tool_choice.get("type", "function") == "function"
+    function = tool_choice.get("function") if named else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise RequestError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                            '{"name": ...}}', param="tool_choice")
     if name not in schemas:
         raise RequestError(f"tool_choice names the function {name!r}, which is not among tools "
                            f"({', '.join(schemas)})", param="tool_choice")
-    return ToolPlan("named", StructuredOutputsParams(json=schemas[name]), name=name)
+    return ToolPlan("named", StructuredOutputsParams(json=schemas[name]), name=name, new_id=new_id)
 
 
 def required_schema(schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -114,8 +122,11 @@ def required_schema(schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool calls' arguments as objects, as HF chat templates expect (OpenAI sends JSON strings)."""
+    """Assistant tool calls' arguments as objects, as HF chat templates expect (OpenAI sends JSON strings); an
+    assistant's earlier thinking as `reasoning_content` (Qwen3's templates read it) also when sent as `reasoning`."""
     for message in messages:
+        if message.get("reasoning") is not None and message.get("reasoning_content") is None:
+            message["reasoning_content"] = message["reasoning"]
         for call in message.get("tool_calls") or []:
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict) and isinstance(function.get("arguments"), str):

@@ -147,17 +147,34 @@ class BitmaskFiller:
     def mean_fill_s(self) -> float:
         return self.total_fill_s / max(self.num_fills, 1)
 
-    def fill(self, matchers: list[xgr.GrammarMatcher]) -> torch.Tensor:
+    def fill(self, matchers: list[xgr.GrammarMatcher], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """One row per matcher; with `drafts` (speculative decoding), one per position of each matcher's draft and
+        one after it: the matcher steps through its draft (which it accepts) and back."""
         started = time.perf_counter()
-        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        drafts = drafts or [[]] * len(matchers)
+        bitmask = self._xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), self.vocab_size)
+        plain, rows, row = [], [], 0
+        for matcher, draft in zip(matchers, drafts, strict=True):
+            if draft:
+                for position, token in enumerate(draft):
+                    matcher.fill_next_token_bitmask(bitmask, row + position)
+                    matcher.accept_token(token)
+                matcher.fill_next_token_bitmask(bitmask, row + len(draft))
+                matcher.rollback(len(draft))
+            else:
+                plain.append(matcher)
+                rows.append(row)
+            row += len(draft) + 1
+        if plain:
+            self._batch.batch_fill_next_token_bitmask(plain, bitmask, rows)
         self.total_fill_s += time.perf_counter() - started
         self.num_fills += 1
-        self.max_rows = max(self.max_rows, len(matchers))
+        self.max_rows = max(self.max_rows, row)
         return bitmask
 
-    def fill_async(self, matchers: list[xgr.GrammarMatcher]) -> Future[torch.Tensor]:
-        return self._pool.submit(self.fill, matchers)
+    def fill_async(self, matchers: list[xgr.GrammarMatcher], drafts: list[list[int]] | None = None
+                   ) -> Future[torch.Tensor]:
+        return self._pool.submit(self.fill, matchers, drafts)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

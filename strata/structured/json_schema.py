@@ -7,9 +7,9 @@ from typing import Any
 
 from strata.errors import RequestError
 
-_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                 "readOnly", "writeOnly", "$defs", "definitions"}
-_ENFORCED = {
+ENFORCED = {
     "type", "enum", "const", "anyOf", "$ref",
     "properties", "required", "additionalProperties", "minProperties", "maxProperties", "patternProperties",
     "propertyNames",
@@ -19,8 +19,8 @@ _ENFORCED = {
 }
 FORMATS = {"email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname", "uri",
            "uri-reference"}
-_TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
 def load_schema(schema: str | dict[str, Any], param: str) -> dict[str, Any] | bool:
@@ -30,7 +30,7 @@ def load_schema(schema: str | dict[str, Any], param: str) -> dict[str, Any] | bo
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise RequestError(f"{param} is not valid JSON: {e}", param=param) from None
-    if not isinstance(schema, (dict, bool)):
+    if not isinstance(schema, dict):
         raise RequestError(f"{param} must be a JSON object, got {type(schema).__name__}", param=param)
     check_schema(schema, param, "#")
     return schema
@@ -43,9 +43,9 @@ def check_schema(schema: Any, param: str, path: str) -> None:
     if not isinstance(schema, dict):
         raise RequestError(f"{param}: the schema at {path} must be an object or a boolean", param=param)
     for keyword, value in schema.items():
-        if keyword in _ANNOTATIONS - {"$defs", "definitions"}:
+        if keyword in ANNOTATIONS - {"$defs", "definitions"}:
             continue
-        if keyword not in _ENFORCED and keyword not in _SUBSCHEMA_MAPS:
+        if keyword not in ENFORCED and keyword not in SUBSCHEMA_MAPS:
             hint = " (use anyOf)" if keyword == "oneOf" else ""
             raise RequestError(f"{param}: the JSON-schema keyword {keyword!r} at {path} cannot be enforced by the "
                                f"structured-outputs backend{hint}", param=param)
@@ -61,9 +61,9 @@ def _check_keyword(keyword: str, value: Any, param: str, path: str) -> None:
 
     if keyword == "type":
         types = value if isinstance(value, list) else [value]
-        if not types or any(t not in _TYPES for t in types):
-            raise bad(f"must be one of {sorted(_TYPES)} (or a list of them), got {value!r}")
-    elif keyword in _SUBSCHEMA_MAPS:
+        if not types or any(not isinstance(t, str) or t not in TYPES for t in types):
+            raise bad(f"must be one of {sorted(TYPES)} (or a list of them), got {value!r}")
+    elif keyword in SUBSCHEMA_MAPS:
         if not isinstance(value, dict):
             raise bad("must be an object of schemas")
         for name, sub in value.items():
@@ -85,7 +85,7 @@ def _check_keyword(keyword: str, value: Any, param: str, path: str) -> None:
     elif keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise bad(f"must be a number, got {value!r}")
-    elif keyword == "format" and value not in FORMATS:
+    elif keyword == "format" and (not isinstance(value, str) or value not in FORMATS):
         raise bad(f"{value!r} cannot be enforced; the supported formats are {', '.join(sorted(FORMATS))}")
     elif keyword in ("pattern", "$ref") and not isinstance(value, str):
         raise bad("must be a string")

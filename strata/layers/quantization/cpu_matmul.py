@@ -1,6 +1,6 @@
 """ctypes bindings of strata/csrc/weight_only.c and weight_gemm.c: products read straight from float32, bfloat16,
-FP8, int8 or int4 weights on CPU with every thread of the rank, a small-batch kernel (weights read once) and a GEMM
-for larger batches (weights widened to float32 a cache-sized panel at a time)."""
+FP8, int8, int4 or GGUF block weights on CPU with every thread of the rank, a small-batch kernel (weights read once)
+and a GEMM for larger batches (weights widened to float32 a cache-sized panel at a time)."""
 from __future__ import annotations
 
 import ctypes
@@ -12,6 +12,11 @@ from strata import native
 from strata.native import I32, I64, PTR
 
 KIND_F32, KIND_BF16, KIND_INT4, KIND_INT8, KIND_FP8 = 0, 1, 4, 8, 9
+# GGUF weights in their blocks: KIND_GGUF + ggml's type number (gguf_quants.py); scales and zeros unused.
+KIND_GGUF = 32
+KIND_GGUF_F32, KIND_F16, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0 = (KIND_GGUF + t for t in
+                                                                                  (0, 1, 2, 3, 6, 7, 8))
+KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_GGUF_BF16 = (KIND_GGUF + t for t in (12, 13, 14, 30))
 _DENSE_KINDS = {torch.float32: KIND_F32, torch.bfloat16: KIND_BF16}
 
 
@@ -20,7 +25,8 @@ _SIGNATURE = ([PTR, I64, I64, PTR, I64, I32, PTR, PTR, I64, I64, PTR, PTR, I64, 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return native.bind("weight_only", {"weight_only_matmul": _SIGNATURE})
+    return native.bind("weight_only", {"weight_only_matmul": _SIGNATURE,
+                                       "weight_rows": ([PTR, I64, I32, I64, PTR, I64, PTR, I32], I32)})
 
 
 @functools.cache
@@ -63,8 +69,26 @@ def _product(function, x: torch.Tensor, weight: torch.Tensor, kind: int, out_fea
     status = function(x.data_ptr(), m, k, weight.data_ptr(), weight.stride(0) * weight.element_size(), kind,
                       _ptr(scales), _ptr(zeros), groups, group_size, _ptr(bias), out.data_ptr(), out_features,
                       torch.get_num_threads())
+    _check_status(status, kind, k)
+    return out
+
+
+def _check_status(status: int, kind: int, k: int) -> None:
+    if status == -2:
+        raise ValueError(f"the kernels do not read weight kind {kind} with rows of {k} values (a GGUF weight's rows "
+                         "must be whole blocks)")
     if status != 0:
         raise MemoryError("weight-only product kernel could not allocate its scratch memory")
+
+
+def rows(weight: torch.Tensor, kind: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64, in range) of a weight stored as `kind` (GGUF blocks, or float32 / float16 / bfloat16) as
+    float32 [len(ids), k]: an embedding looked up in its own storage."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    status = _library().weight_rows(weight.data_ptr(), weight.stride(0) * weight.element_size(), kind, k,
+                                    ids.data_ptr(), ids.numel(), out.data_ptr(), torch.get_num_threads())
+    _check_status(status, kind, k)
     return out
 
 

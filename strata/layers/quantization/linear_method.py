@@ -11,14 +11,15 @@ import torch
 from torch import nn
 
 from strata.errors import ConfigError
-from strata.layers.embedding import ParallelLMHead
+from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
 from strata.layers.moe import FusedMoE
 from strata.layers.quantization.formats import Canonical, layouts, to_canonical
+from strata.layers.quantization.gguf_method import quantize_gguf
 from strata.layers.quantization.moe_method import quantize_experts
 from strata.layers.quantization.stored import load_stored, local_shape
 from strata.layers.quantization.weight_only import QuantizedWeight, pack_fp8, pack_weight, weight_only_linear
-from strata.quant_config import FP8, INT8_W8A8, LinearScheme, QuantConfig
+from strata.quant_config import FP8, INT8_W8A8, GGUFQuantConfig, LinearScheme, QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +109,15 @@ def checkpoint_module_names(name: str, stacked: Iterable[tuple[str, str, object]
     return [p.rstrip(".") for p in parts] or [name]
 
 
-def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tuple[str, str, object]],
-                     checkpoint_prefix: str = "") -> None:
+def quantize_linears(model: nn.Module, quant: QuantConfig | GGUFQuantConfig,
+                     stacked: Iterable[tuple[str, str, object]], checkpoint_prefix: str = "") -> None:
     """Give every linear layer (and every routed expert's projections) the checkpoint stores quantized its
     scheme's tensors; ignored ones stay as they are. The config names layers as the checkpoint does: module
     names with `checkpoint_prefix` before them."""
     stacked = list(stacked)
+    if isinstance(quant, GGUFQuantConfig):
+        quantize_gguf(model, quant, lambda name: checkpoint_module_names(checkpoint_prefix + name, stacked))
+        return
     counts = {"quantized": 0, "left as stored": 0}
     for name, module in list(model.named_modules()):
         if isinstance(module, FusedMoE):
@@ -136,7 +140,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig, stacked: Iterable[tup
 def finish_quantized(model: nn.Module) -> None:
     """After loading: unpack the stored tensors of every quantized layer (not for a shapes-only meta model)."""
     for module in model.modules():
-        if isinstance(module, (PackableLinear, FusedMoE)) and module.quant is not None:
+        if isinstance(module, (PackableLinear, FusedMoE, VocabParallelEmbedding)) and module.quant is not None:
             params = list(module.parameters(recurse=False))
             if params and params[0].device.type != "meta":
                 module.quant.finish(module)

@@ -2,16 +2,21 @@
 
 A parser takes the whole output and returns the text outside the calls (None when there is none; the text as it
 is when there is no call) and the calls, each a name and its arguments as a JSON string. Its MARKERS are where a
-call may begin.
+call may begin; its `call_id`, when it has one, makes the ids of the calls (else OpenAI's `chatcmpl-tool-<hex>`).
 """
 from __future__ import annotations
 
-from strata.server.tool_parsers import hermes, llama3_json, llama4_pythonic
-from strata.server.tool_parsers.base import ParsedCall, ToolParser, leftover
+from collections.abc import Callable
 
-__all__ = ["ParsedCall", "ToolParser", "leftover", "tool_parsers", "tool_call_markers"]
+from strata.server.tool_parsers import granite, hermes, llama3_json, llama4_pythonic, mistral
+from strata.server.tool_parsers.base import ParsedCall, ToolParser, leftover, openai_call_id
 
-_MODULES = {"llama3_json": llama3_json, "llama4_pythonic": llama4_pythonic, "hermes": hermes}
+__all__ = ["ParsedCall", "ToolParser", "leftover", "tool_parsers", "tool_call_markers", "tool_call_ids",
+           "TOOL_CALL_PARSERS"]
+
+_MODULES = {"llama3_json": llama3_json, "llama4_pythonic": llama4_pythonic, "hermes": hermes, "mistral": mistral,
+            "granite": granite}
+TOOL_CALL_PARSERS = tuple(_MODULES)
 
 
 def tool_parsers() -> dict[str, ToolParser]:
@@ -20,3 +25,8 @@ def tool_parsers() -> dict[str, ToolParser]:
 
 def tool_call_markers(name: str) -> tuple[str, ...]:
     return _MODULES[name].MARKERS
+
+
+def tool_call_ids(name: str | None) -> Callable[[], str]:
+    """The maker of call ids for the parser `name` (None: no parser)."""
+    return getattr(_MODULES.get(name), "call_id", openai_call_id)

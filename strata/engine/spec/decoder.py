@@ -1,0 +1,136 @@
+"""The engine's speculative decoder: which decoding requests get drafts this step and how many (the step's draft
+budget), the proposer that makes them, and the acceptance counters behind the metrics and the log line."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from strata.engine.request import Request
+from strata.engine.spec.ngram import NgramProposer
+from strata.engine.spec.suffix import SuffixProposer
+from strata.errors import ConfigError
+from strata.speculative_config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters under vLLM's names: verification steps with drafts, draft tokens, accepted ones, and accepted ones
+    by position in the draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos += [0] * (drafted - len(self.accepted_per_pos))
+        for position in range(accepted):
+            self.accepted_per_pos[position] += 1
+
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_pos))
+
+    def since(self, earlier: SpecDecodeStats) -> SpecDecodeStats:
+        per_pos = [n - (earlier.accepted_per_pos[i] if i < len(earlier.accepted_per_pos) else 0)
+                   for i, n in enumerate(self.accepted_per_pos)]
+        return SpecDecodeStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                               self.num_accepted_tokens - earlier.num_accepted_tokens, per_pos)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over draft tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step emits on average: its accepted drafts and the one token it samples."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def summary(self) -> str:
+        per_pos = ", ".join(f"{n / self.num_drafts:.2f}" for n in self.accepted_per_pos) if self.num_drafts else "-"
+        return (f"speculative decoding: acceptance rate {100 * self.acceptance_rate:.1f}%, mean acceptance length "
+                f"{self.mean_acceptance_length:.2f} ({self.num_drafts} drafts, {self.num_draft_tokens} draft tokens, "
+                f"{self.num_accepted_tokens} accepted; by position {per_pos})")
+
+
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    if config.method == "suffix":
+        return SuffixProposer(config)
+    raise ConfigError(f"speculative_config method {config.method!r} is not supported yet; use \"ngram\" or "
+                      "\"suffix\"", param="speculative_config.method")
+
+
+def within_budget(proposals: dict[str, list[int]], budget: int) -> dict[str, list[int]]:
+    """The proposals cut to `budget` tokens in all, nearest positions first: every request keeps its first draft
+    token before any keeps a second (a draft's later tokens are the less likely to be accepted)."""
+    if sum(len(p) for p in proposals.values()) <= budget:
+        return proposals
+    depth = 0
+    while sum(min(len(p), depth + 1) for p in proposals.values()) <= budget:
+        depth += 1
+    left = budget - sum(min(len(p), depth) for p in proposals.values())
+    cut = {}
+    for request_id, proposal in proposals.items():
+        take = min(len(proposal), depth)
+        if left > 0 and len(proposal) > depth:
+            take, left = take + 1, left - 1
+        if take:
+            cut[request_id] = proposal[:take]
+    return cut
+
+
+class SpeculativeDecoder:
+    """Drafts for a step's decoding requests. A step with drafts stays about as cheap as a decode step while it is
+    bound by reading the weights; past the step token budget every draft token costs compute, so drafts are cut
+    (nearest positions kept) and vanish once the decodes alone fill the budget."""
+
+    def __init__(self, config: SpeculativeConfig, device_type: str) -> None:
+        self.config = config
+        self.proposer = make_proposer(config)
+        self.step_budget = config.step_token_budget(device_type)
+        self.stats = SpecDecodeStats()
+        self._logged = SpecDecodeStats()  # the counters at the last log line
+        # Set by the engine for requests under a grammar: the draft cut before the first token the grammar refuses.
+        self.grammar_cut: Callable[[Request, list[int]], list[int]] | None = None
+
+    def drafts(self, decoding: list[Request], num_running: int) -> dict[str, list[int]]:
+        """Draft tokens by request id for `decoding` (running requests whose next step samples one token)."""
+        disable = self.config.disable_by_batch_size
+        room = self.step_budget - len(decoding)
+        if not decoding or room <= 0 or (disable is not None and num_running >= disable):
+            return {}
+        proposals = {}
+        for request in decoding:
+            # A verification step emits up to one token more than its drafts; their positions need KV slots.
+            limit = min(self.config.num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1,
+                        request.max_model_len - request.num_tokens)
+            if limit <= 0:
+                continue
+            proposal = self.proposer.propose(request, limit)[:limit]
+            if proposal and self.grammar_cut is not None:
+                proposal = self.grammar_cut(request, proposal)
+            if proposal:
+                proposals[request.request_id] = proposal
+        return within_budget(proposals, room)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.stats.record(drafted, accepted)
+
+    def interval_summary(self) -> str | None:
+        """The log line of the drafts verified since the last call (None when there were none)."""
+        interval = self.stats.since(self._logged)
+        self._logged = self.stats.copy()
+        return interval.summary() if interval.num_drafts else None
+
+    def finish(self, request: Request) -> None:
+        self.proposer.finish(request)

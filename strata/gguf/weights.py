@@ -1,0 +1,125 @@
+"""A GGUF model's tensors under the Hugging Face names strata's models load: float tensors as torch tensors,
+quantized (and half-precision matrix) tensors as their ggml blocks, rows in the checkpoint's order (llama.cpp's
+Q/K row permutation undone)."""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from strata.errors import ConfigError
+from strata.gguf import types
+from strata.gguf.config import architecture_map
+from strata.gguf.reader import GGUFModel, TensorEntry
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_CONSUMED = ("rope_freqs.weight",)  # read into the config (strata.gguf.config)
+_HALF = {types.F16: torch.float16, types.BF16: torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A tensor kept in its ggml blocks: `data` uint8 [rows, bytes per row] (a meta tensor when only shapes are
+    read), `shape` the values' shape in torch order ([rows, cols], or [experts, rows, cols])."""
+
+    data: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.data.shape[-1]
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The checkpoint name strata's models use for a GGUF tensor, or None for one it does not know."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+
+
+def is_blocked(entry: TensorEntry) -> bool:
+    """Matrices of any type but float32 stay in their blocks; vectors and float32 matrices load as tensors."""
+    return len(entry.shape) >= 2 and entry.ggml_type != types.F32
+
+
+def blocked_types(gguf: GGUFModel) -> dict[str, int]:
+    """{HF name: ggml type} of every tensor kept in its blocks, checked to be a type strata reads; unknown tensor
+    names are refused (strata never runs with weights it did not load)."""
+    found = {}
+    unknown = [name for name in gguf.tensors if hf_name(name) is None and name not in _CONSUMED]
+    if unknown:
+        raise ConfigError(f"{gguf.paths[0]}: tensors strata does not know for GGUF architecture "
+                          f"{gguf.architecture!r}: {', '.join(sorted(unknown)[:10])}", param="model")
+    for name, entry in gguf.tensors.items():
+        types.check_type(entry.ggml_type, name)
+        if is_blocked(entry) and name not in _CONSUMED:
+            found[hf_name(name)] = entry.ggml_type
+    return found
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head reordering of q/k rows (rotate-half pairs -> interleaved pairs): rows of a head
+    [2, half] were stored as [half, 2]."""
+    shape = rows.shape
+    return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def iterate_gguf(gguf: GGUFModel, skip: Callable[[str], bool] = lambda name: False, meta: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """(HF name, tensor) for every tensor the model loads; skipped names are never read. With `meta`, only
+    shapes (meta tensors), for planning."""
+    permuted = architecture_map(gguf).permuted_qk
+    heads = {"q_proj": gguf.get(".attention.head_count"), "k_proj": gguf.get(".attention.head_count_kv",
+                                                                             gguf.get(".attention.head_count"))}
+    heads = {k: v[0] if isinstance(v, list) else v for k, v in heads.items()}
+    for name, entry in gguf.tensors.items():
+        target = hf_name(name)
+        if target is None or skip(target):
+            continue
+        if meta:
+            yield target, _meta(entry)
+            continue
+        rows = gguf.raw(name)
+        projection = target.split(".")[-2]
+        if permuted and projection in heads:
+            rows = _unpermute(rows, heads[projection])
+        yield target, _tensor(entry, rows)
+
+
+def _tensor(entry: TensorEntry, raw: np.ndarray) -> torch.Tensor | GGUFTensor:
+    if is_blocked(entry):
+        # A copy: the model keeps these bytes, and a view would pin pages of the file's mapping.
+        return GGUFTensor(torch.from_numpy(np.array(raw)), entry.ggml_type, entry.shape)
+    if entry.ggml_type == types.F32:
+        values = torch.from_numpy(np.array(raw).view("<f4"))
+    elif entry.ggml_type in _HALF:
+        values = torch.from_numpy(np.array(raw).view("<u2").view(np.int16)).view(_HALF[entry.ggml_type]).float()
+    else:
+        raise ConfigError(f"GGUF tensor {entry.name} is a {types.type_name(entry.ggml_type)} vector; strata reads "
+                          "vectors (norms, biases) stored as F32, F16 or BF16", param="model")
+    return values.reshape(entry.shape)
+
+
+def _meta(entry: TensorEntry) -> torch.Tensor | GGUFTensor:
+    if is_blocked(entry):
+        rows = entry.nbytes // types.row_bytes(entry.ggml_type, entry.shape[-1], entry.name)
+        data = torch.empty(rows, entry.nbytes // rows, dtype=torch.uint8, device="meta")
+        return GGUFTensor(data, entry.ggml_type, entry.shape)
+    return torch.empty(entry.shape, dtype=torch.float32, device="meta")

@@ -1,0 +1,148 @@
+"""Layers of a GGUF file kept in their ggml blocks: a linear layer's rows (this rank's outputs, its inputs cut at
+block boundaries) and an embedding table looked up row by row; products through the GGUF kernels of
+`gguf_quants`. A fused layer whose pieces the file stores in different types (Q4_K_M's q/k in Q4_K, v in Q6_K)
+keeps one weight per piece."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from strata.gguf import types
+from strata.gguf.weights import GGUFTensor
+from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from strata.layers.linear import PackableLinear
+from strata.layers.quantization import gguf_quants
+from strata.quant_config import GGUFQuantConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """Rows [offset, offset + rows) of a layer's outputs as ggml blocks: data uint8 [rows, row_bytes]."""
+
+    offset: int
+    data: torch.Tensor
+    ggml_type: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+
+class GGUFMethod:
+    """What a GGUF-stored layer computes with. Loading collects this rank's rows of each checkpoint tensor;
+    `finish` joins pieces of one type into one weight (padding rows past the vocabulary stay zero blocks, which
+    are zero values in every type)."""
+
+    def __init__(self, layer: nn.Module, name: str) -> None:
+        self.name = name
+        self.n, self.k = _local_shape(layer)
+        self.loaded: list[BlockWeight] = []
+        self.weights: list[BlockWeight] | None = None
+
+    def load(self, layer: nn.Module, tensor: object, shard_id: object = None) -> None:
+        if not isinstance(tensor, GGUFTensor):
+            raise ValueError("expected a GGUF tensor in ggml blocks")
+        block = types.check_type(tensor.ggml_type, self.name)
+        start, size = _in_range(layer)
+        if start % block.block_values or size % block.block_values:
+            raise ValueError(f"inputs {start}..{start + size} of this rank cut a {block.name} block of "
+                             f"{block.block_values} values")
+        first, width = start // block.block_values * block.block_bytes, size // block.block_values * block.block_bytes
+        data = tensor.data.reshape(-1, tensor.row_bytes)
+        for offset, row, rows in _out_pieces(layer, shard_id):
+            self.loaded.append(BlockWeight(offset, data[row:row + rows, first:first + width], tensor.ggml_type))
+
+    def finish(self, layer: nn.Module) -> None:
+        if self.weights is not None:
+            return
+        pieces = sorted(self.loaded, key=lambda p: p.offset)
+        if len({p.ggml_type for p in pieces}) == 1:
+            kind = pieces[0].ggml_type
+            data = torch.zeros(self.n, types.row_bytes(kind, self.k), dtype=torch.uint8)
+            for p in pieces:
+                data[p.offset:p.offset + p.rows] = p.data
+            pieces = [BlockWeight(0, data, kind)]
+        else:
+            pieces = [BlockWeight(p.offset, p.data.contiguous(), p.ggml_type) for p in pieces]
+            if sum(p.rows for p in pieces) != self.n:
+                raise ValueError(f"{self.name}: the pieces of a fused layer stored in several types do not cover "
+                                 f"its {self.n} rows")
+        self.weights, self.loaded = pieces, []
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weights = self._ready()
+        if len(weights) == 1:
+            return gguf_quants.gguf_linear(x, weights[0].data, weights[0].ggml_type, self.k, bias)
+        out = torch.cat([gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k) for w in weights], dim=-1)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (local to this rank's vocabulary slice) of an embedding table, float32."""
+        [w] = self._ready()
+        rows = gguf_quants.embedding_rows(w.data, w.ggml_type, self.k, ids.reshape(-1))
+        return rows.view(*ids.shape, self.k)
+
+    def _ready(self) -> list[BlockWeight]:
+        if self.weights is None:
+            raise RuntimeError(f"{self.name}: a GGUF layer ran before its weights were loaded and finished")
+        return self.weights
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.nbytes for p in (self.weights or self.loaded))
+
+
+def _local_shape(layer: nn.Module) -> tuple[int, int]:
+    if isinstance(layer, VocabParallelEmbedding):
+        return layer.rows_per_rank, layer.hidden_size
+    return tuple(layer.weight.shape)
+
+
+def _out_pieces(layer: nn.Module, shard_id: object) -> list[tuple[int, int, int]]:
+    if isinstance(layer, ParallelLMHead) or not isinstance(layer, PackableLinear):  # embeddings: a vocabulary slice
+        return [(0, layer.start, max(0, min(layer.rows_per_rank, layer.vocab_size - layer.start)))]
+    return layer.out_pieces(shard_id)
+
+
+def _in_range(layer: nn.Module) -> tuple[int, int]:
+    if isinstance(layer, PackableLinear) and not isinstance(layer, ParallelLMHead):
+        return layer.in_range()
+    return 0, layer.hidden_size
+
+
+def _block_param(method: GGUFMethod, layer: nn.Module) -> nn.Parameter:
+    """The placeholder the loader finds under the layer's weight name; its loader hands the blocks to the method."""
+    param = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=layer.weight.device), requires_grad=False)
+    param.weight_loader = lambda p, tensor, shard_id=None: method.load(layer, tensor, shard_id)
+    return param
+
+
+def quantize_gguf(model: nn.Module, quant: GGUFQuantConfig, checkpoint_modules) -> None:
+    """Give every layer whose checkpoint tensors the file keeps in blocks a `GGUFMethod`; the embedding's table
+    too, and a tied LM head reads that same table. `checkpoint_modules(name)` lists the checkpoint modules a
+    (possibly fused) layer loads from."""
+    counts = {"in blocks": 0, "float": 0}
+    for name, module in list(model.named_modules()):
+        is_table = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+        if not (is_table or isinstance(module, PackableLinear)) or not isinstance(module.weight, nn.Parameter):
+            continue
+        if isinstance(module, ParallelLMHead) and module.tied:
+            continue  # the table's method, given below
+        if not quant.types_of(checkpoint_modules(name)):
+            counts["float"] += 1
+            continue
+        method = GGUFMethod(module, name)
+        module.weight = _block_param(method, module)
+        module.quant = method
+        counts["in blocks"] += 1
+        if is_table:
+            for head in model.modules():
+                if isinstance(head, ParallelLMHead) and head.tied:
+                    head.weight, head.quant = module.weight, method
+    logger.info("GGUF checkpoint: %d layers kept in ggml blocks, %d in float32", counts["in blocks"],
+                counts["float"])

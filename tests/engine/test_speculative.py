@@ -1,0 +1,120 @@
+"""Speculative decoding in the engine: with n-gram or suffix drafts, every request gets exactly the tokens (and
+logprobs) it gets without them, greedy or seeded, through chunked prefill, preemption, mixed batches, stops inside a
+draft, n > 1, grammars and the prefix cache; and drafts are accepted (the speculation is not idle)."""
+from __future__ import annotations
+
+import pytest
+
+from strata import LLM, SamplingParams
+from strata.config import EngineConfig
+from strata.errors import ConfigError
+from strata.sampling_params import StructuredOutputsParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
+# Repetitive prompts: the tiny random model soon repeats itself too, so drafts are often right.
+PROMPTS = [{"prompt_token_ids": ([5, 6, 7, 8, 9, 10, 11] * 12)[:18 + 9 * i]} for i in range(5)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(llama_gqa):
+    return LLM(str(llama_gqa), max_model_len=256)
+
+
+@pytest.fixture(scope="module", params=[NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def spec(request, llama_gqa):
+    # A small step budget: the longer prompts are prefilled in chunks while the shorter ones already decode with
+    # drafts in the same steps.
+    return LLM(str(llama_gqa), max_model_len=256, max_num_batched_tokens=40, speculative_config=request.param)
+
+
+def test_greedy_output_is_the_same_with_drafts_and_drafts_are_accepted(plain, spec):
+    params = [SamplingParams(temperature=0, max_tokens=30 + 5 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    before = spec.engine.spec.stats.copy()
+    assert tokens(spec.generate(PROMPTS, params, use_tqdm=False)) == tokens(plain.generate(PROMPTS, params,
+                                                                                             use_tqdm=False))
+    stats = spec.engine.spec.stats.since(before)
+    assert stats.num_drafts > 10 and stats.num_accepted_tokens > stats.num_drafts
+    assert stats.mean_acceptance_length > 1.5
+
+
+def test_seeded_sampling_penalties_min_tokens_and_logprobs_are_the_same_with_drafts(plain, spec):
+    params = [SamplingParams(temperature=0.7, top_k=30, top_p=0.95, seed=i, max_tokens=25, min_tokens=10,
+                             presence_penalty=0.3 * (i % 2), repetition_penalty=1.0 + 0.1 * (i % 3), logprobs=2,
+                             stop_token_ids=[1]) for i in range(len(PROMPTS))]
+    got, want = spec.generate(PROMPTS, params, use_tqdm=False), plain.generate(PROMPTS, params, use_tqdm=False)
+    assert tokens(got) == tokens(want)
+    for g, w in zip(got, want, strict=True):
+        # The target's logprobs; a verification step computes them in a batch of positions, hence the tolerance.
+        for g_pos, w_pos in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+            assert list(g_pos) == list(w_pos)
+            assert [lp.logprob for lp in g_pos.values()] == pytest.approx([lp.logprob for lp in w_pos.values()],
+                                                                          abs=1e-3)
+
+
+def test_stop_tokens_and_strings_inside_a_draft_end_the_output_there(plain, spec):
+    prompt = PROMPTS[2]
+    full = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    ids, text = full.outputs[0].token_ids, full.outputs[0].text
+    for params in (SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[ids[17]]),
+                   SamplingParams(temperature=0, max_tokens=40, stop=[text[len(text) // 2:len(text) // 2 + 3]]),
+                   SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)):
+        got, want = spec.generate(prompt, params, use_tqdm=False)[0], plain.generate(prompt, params, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert (got.outputs[0].text, got.outputs[0].finish_reason, got.outputs[0].stop_reason) == \
+               (want.outputs[0].text, want.outputs[0].finish_reason, want.outputs[0].stop_reason)
+
+
+def test_n_samples_and_a_grammar_behave_as_without_drafts(plain, spec):
+    params = SamplingParams(n=3, temperature=0.8, seed=4, max_tokens=20, ignore_eos=True)
+    assert [o.token_ids for o in spec.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs] == \
+           [o.token_ids for o in plain.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs]
+    regex = StructuredOutputsParams(regex=r"(ab|cd)+ [a-z]{3,12}\.")
+    constrained = SamplingParams(temperature=0, max_tokens=30, structured_outputs=regex)
+    got = spec.generate(PROMPTS[0], constrained, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == plain.generate(PROMPTS[0], constrained, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(llama_gqa, plain):
+    """A second request reuses the cached blocks of a first one's output: had a rejected draft's KV been cached,
+    its greedy output would differ from a cold run's."""
+    llm = LLM(str(llama_gqa), max_model_len=256, block_size=4, speculative_config=NGRAM)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0]
+    stats = llm.engine.spec.stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # some drafts were rejected
+    follow_up = {"prompt_token_ids": first.prompt_token_ids + first.outputs[0].token_ids[:33]}
+    second = llm.generate(follow_up, greedy, use_tqdm=False)[0]
+    assert second.num_cached_tokens >= len(first.prompt_token_ids) + 28
+    assert second.outputs[0].token_ids == plain.generate(follow_up, greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_preempted_requests_with_drafts_finish_with_the_same_tokens(llama_gqa, plain):
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block size x KV heads x head size x float32
+    llm = LLM(str(llama_gqa), max_model_len=128, kv_cache_memory=10 * block_bytes, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert tokens(llm.generate(PROMPTS, params, use_tqdm=False)) == tokens(plain.generate(PROMPTS, params,
+                                                                                           use_tqdm=False))
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_drafts_stop_when_the_decodes_alone_fill_the_step_budget(llama_gqa):
+    llm = LLM(str(llama_gqa), max_model_len=256, speculative_config={**NGRAM, "max_step_tokens": 4})
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm.generate(PROMPTS[:4], params, use_tqdm=False)  # four decodes fill a step of four tokens
+    assert llm.engine.spec.stats.num_drafts == 0
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert llm.engine.spec.stats.num_drafts > 0
+
+
+def test_speculation_is_refused_for_models_whose_state_cannot_roll_back(tmp_path):
+    from mamba_checkpoints import make_mamba2
+
+    path = make_mamba2(tmp_path / "mamba2")
+    with pytest.raises(ConfigError, match="cannot be rolled back") as refused:
+        EngineConfig.create(str(path), speculative_config=NGRAM)
+    assert refused.value.param == "speculative_config"

@@ -1,0 +1,82 @@
+"""Whole GGUF models against transformers' own GGUF loader: logits, greedy tokens and logprobs for every ggml type,
+a tied Q8_0 table looked up row by row and serving as the LM head, TP x PP layouts, and what `strata plan` counts."""
+from __future__ import annotations
+
+import torch
+from model_forward import strata_logits
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from strata import LLM, SamplingParams
+from strata.config import EngineConfig
+from strata.gguf.reader import GGUFModel
+from strata.plan import plan_layout
+
+PROMPTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over", "import os\nimport sys",
+           "Paged attention stores keys and values in fixed size blocks."]
+
+
+def transformers_model(path):
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+def reference_greedy(model, prompt_ids: list[int], tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_every_ggml_type_gives_transformers_logits_and_greedy_tokens(gguf_all_types):
+    reference = transformers_model(gguf_all_types)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_all_types.parent, gguf_file=gguf_all_types.name)
+    ids = tokenizer(PROMPTS[0]).input_ids
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    got = strata_logits(gguf_all_types, ids)
+    assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
+
+    with LLM(str(gguf_all_types), device="cpu") as llm:
+        assert llm.get_tokenizer()(PROMPTS[1]).input_ids == tokenizer(PROMPTS[1]).input_ids
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+    for out in outs:
+        tokens = out.outputs[0].token_ids
+        assert tokens == reference_greedy(reference, out.prompt_token_ids, 24)
+        with torch.no_grad():  # the sampled token's logprob, from transformers' logits of the whole text
+            logits = reference(torch.tensor([out.prompt_token_ids + tokens])).logits[0].log_softmax(-1)
+        start = len(out.prompt_token_ids) - 1
+        for i, (token, lp) in enumerate(zip(tokens, out.outputs[0].logprobs, strict=True)):
+            assert abs(lp[token].logprob - logits[start + i, token].item()) < 1e-4
+
+
+def test_tied_q8_0_table_is_looked_up_by_row_and_is_the_lm_head(gguf_tied_q4_1):
+    reference = transformers_model(gguf_tied_q4_1)
+    with LLM(str(gguf_tied_q4_1), device="cpu") as llm:
+        runner = llm.engine.executor.runner
+        model = runner.model
+        assert model.lm_head.quant is model.model.embed_tokens.quant  # one table, in its blocks
+        file_bytes = sum(e.nbytes for e in GGUFModel([gguf_tied_q4_1]).tensors.values())
+        assert runner.weight_bytes == file_bytes  # nothing dequantized beside the blocks
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].token_ids == reference_greedy(reference, out.prompt_token_ids, 24)
+
+
+def test_tp2_pp2_gives_the_tokens_of_one_process(gguf_tied_q4_1):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(str(gguf_tied_q4_1), device="cpu") as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(str(gguf_tied_q4_1), device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == expected
+
+
+def test_plan_counts_the_stored_blocks_of_each_rank(gguf_tied_q4_1):
+    file_bytes = sum(e.nbytes for e in GGUFModel([gguf_tied_q4_1]).tensors.values())
+    [single] = plan_layout(EngineConfig.create(str(gguf_tied_q4_1), device="cpu"))
+    assert single.param_bytes == file_bytes
+    ranks = plan_layout(EngineConfig.create(str(gguf_tied_q4_1), device="cpu", tensor_parallel_size=2))
+    # Each rank holds half of every matrix (the tied table once); the F32 norms are replicated.
+    norms = sum(e.nbytes for e in GGUFModel([gguf_tied_q4_1]).tensors.values() if len(e.shape) == 1)
+    assert [r.param_bytes for r in ranks] == [(file_bytes - norms) // 2 + norms] * 2

@@ -1,0 +1,179 @@
+"""Tiny GGUF files written as llama.cpp's converter writes them (metadata, a GPT-2 style tokenizer, q/k rows permuted
+for the llama architecture), from a random Hugging Face checkpoint, with tensors in any ggml type: `gguf` quantizes
+the 32-value types, the K-quants are packed here by hand (gguf-py cannot quantize them) and checked against
+`gguf.quants.dequantize`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, index, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{index}.{_LAYER[module]}.{kind}"
+
+
+def _fp16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins per super-block [B, 8] -> the packed 12 bytes [B, 12]."""
+    s = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    s[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    s[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    return s
+
+
+def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K / Q5_K blocks of rows of 256-value super-blocks: per 32 values a 6-bit scale and min."""
+    top = (1 << bits) - 1
+    sub = x.reshape(-1, 8, 32).astype(np.float64)
+    lo = np.maximum(-sub.min(axis=2), 0.0)
+    scale = (sub.max(axis=2) + lo) / top
+    d, dmin = scale.max(axis=1) / 63 + 1e-12, lo.max(axis=1) / 63 + 1e-12
+    d, dmin = d.astype(np.float16).astype(np.float64), dmin.astype(np.float16).astype(np.float64)
+    sc = np.clip(np.round(scale / d[:, None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(lo / dmin[:, None]), 0, 63).astype(np.uint8)
+    q = np.round((sub + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None])
+    q = np.clip(q, 0, top).astype(np.uint8)  # [B, 8, 32]
+    low = q & 15
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
+    parts = [_fp16_bytes(d), _fp16_bytes(dmin), _k_scales(sc, mn)]
+    if bits == 5:
+        high = (q >> 4) & 1  # bit j of qh[l]: the fifth bit of value l of sub-block j
+        qh = np.zeros((q.shape[0], 32), dtype=np.uint8)
+        for j in range(8):
+            qh |= (high[:, j, :] << j).astype(np.uint8)
+        parts.append(qh)
+    parts.append(qs)
+    return np.concatenate(parts, axis=1)
+
+
+def _q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K blocks: 16 sub-blocks of 16 values with int8 scales, 6-bit values split into ql (4) and qh (2)."""
+    sub = x.reshape(-1, 16, 16).astype(np.float64)
+    scale = np.abs(sub).max(axis=2) / 31 + 1e-12
+    d = (np.abs(scale).max(axis=1) / 127).astype(np.float16).astype(np.float64) + 1e-12
+    sc = np.clip(np.round(scale / d[:, None]), 1, 127).astype(np.int8)
+    q = np.clip(np.round(sub / (d[:, None] * sc)[..., None]) + 32, 0, 63).astype(np.uint8).reshape(-1, 2, 128)
+    ql = np.zeros((q.shape[0], 2, 64), dtype=np.uint8)
+    qh = np.zeros((q.shape[0], 2, 32), dtype=np.uint8)
+    for part in range(4):  # value l + 32 * part of a half comes from ql[l (+32)] nibble and qh[l] bits 2*part
+        vals = q[:, :, 32 * part:32 * (part + 1)]
+        nib = vals & 15
+        ql[:, :, 32 * (part % 2):32 * (part % 2) + 32] |= nib << (4 * (part // 2))
+        qh |= ((vals >> 4) & 3) << (2 * part)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _fp16_bytes(d)], axis=1)
+
+
+def quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Rows of x (float32 [N, K]) in `ggml_type`: uint8 [N, row bytes] (float32/float16 arrays for F32/F16)."""
+    import gguf
+
+    if ggml_type == F32:
+        return x.astype(np.float32)
+    if ggml_type == F16:
+        return x.astype(np.float16)
+    if ggml_type in (Q4_K, Q5_K, Q6_K):
+        blocks = _q6_k(x) if ggml_type == Q6_K else _q45_k(x, 4 if ggml_type == Q4_K else 5)
+        packed = blocks.reshape(x.shape[0], -1)
+        back = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType(ggml_type))
+        assert np.abs(back - x).max() <= np.abs(x).max() * 0.2, "hand-packed K-quant blocks are off"
+        return packed
+    return gguf.quants.quantize(x, gguf.GGMLQuantizationType(ggml_type))
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: rotate-half rows of each head reordered into interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_folder: Path, path: Path, type_of, arch: str = "llama", split: int = 1) -> list[Path]:
+    """The checkpoint in `hf_folder` as a GGUF file (or `split` parts); `type_of(gguf_name, shape)` picks each
+    matrix's ggml type (vectors stay F32)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    tok = json.loads((hf_folder / "tokenizer.json").read_text())
+    tok_config = json.loads((hf_folder / "tokenizer_config.json").read_text())
+    state = {}
+    for f in sorted(hf_folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    tensors = []
+    for name, value in state.items():
+        if config.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        w = value.to(torch.float32).numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _permute(w, heads if "q_proj" in name else kv_heads)
+        target = gguf_name(name)
+        kind = type_of(target, w.shape) if w.ndim == 2 else F32
+        tensors.append((target, quantize(w, kind), kind))
+    paths = [path] if split == 1 else [path.with_name(f"{path.stem}-{i + 1:05d}-of-{split:05d}.gguf")
+                                       for i in range(split)]
+    per_part = -(-len(tensors) // split)
+    for part, out in enumerate(paths):
+        writer = gguf.GGUFWriter(str(out), arch)
+        if part == 0:
+            _metadata(writer, config, tok, tok_config, arch)
+        if split > 1:
+            writer.add_uint16("split.no", part)
+            writer.add_uint16("split.count", split)
+            writer.add_int32("split.tensors.count", len(tensors))
+        for target, data, kind in tensors[part * per_part:(part + 1) * per_part]:
+            writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType(kind))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return paths
+
+
+def _metadata(writer, config: dict, tok: dict, tok_config: dict, arch: str) -> None:
+    heads = config["num_attention_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta")))
+    writer.add_vocab_size(config["vocab_size"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config["hidden_size"] // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {t["id"]: t["content"] for t in tok["added_tokens"]}
+    tokens = [added.get(i, piece) for piece, i in vocab]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+    merges = tok["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(config.get("bos_token_id", 0))
+    writer.add_eos_token_id(config.get("eos_token_id", 1))
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(tok_config["chat_template"])
