@@ -6,6 +6,7 @@ import logging
 import sys
 
 from strata.bench.latency import add_latency_args
+from strata.bench.speculative import add_speculative_args
 from strata.bench.throughput import add_throughput_args
 from strata.engine_args import EngineArgs, byte_size
 from strata.errors import StrataError
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     add_throughput_args(bench.add_parser("throughput", help="offline throughput on random prompts"))
     add_latency_args(bench.add_parser("latency", help="time per output token of one batch, and weight GB/s"))
+    add_speculative_args(bench.add_parser("speculative", help="tokens/s with and without speculative decoding on an "
+                                                              "input-grounded workload from Python's own source"))
     bench_serve = bench.add_parser("serve", help="online serving benchmark against any OpenAI-compatible server")
     _add_bench_serve_args(bench_serve)
 
@@ -89,6 +92,10 @@ def _run(args: argparse.Namespace) -> int:
         from strata.bench.latency import run_latency
 
         return run_latency(args)
+    if args.verb == "bench" and args.bench == "speculative":
+        from strata.bench.speculative import run_speculative
+
+        return run_speculative(args)
     if args.verb == "bench" and args.bench == "serve":
         from strata.bench.serve import run_bench_serve
 

@@ -25,6 +25,8 @@ NON_DEFAULTS = {
     "reasoning_parser": ("qwen3", "qwen3"),
     "revision": ("v2", "v2"), "tokenizer": ("org/tok", "org/tok"), "tokenizer_revision": ("t1", "t1"),
     "download_dir": ("/tmp/hub", "/tmp/hub"), "hf_token": ("hf_x", "hf_x"), "gguf_file": ("m.gguf", "m.gguf"),
+    "speculative_config": ({"method": "ngram", "num_speculative_tokens": 3},
+                           '{"method": "ngram", "num_speculative_tokens": 3}'),
 }
 VERBS = {"serve": ["serve", "m"], "bench throughput": ["bench", "throughput", "--model", "m"], "plan": ["plan", "m"]}
 

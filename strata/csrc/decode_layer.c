@@ -7,6 +7,7 @@
    (strata/layers/decode_forward.py): a single-stage model's whole decode step. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -16,7 +17,9 @@ typedef int (*weight_only_fn)(const float *, int64_t, int64_t, const void *, int
 typedef int (*blocked_fn)(const void *, int64_t, int64_t, const void *, int, int64_t, int64_t, int64_t,
                           const float *, void *, int, int);
 typedef void (*rms_norm_fn)(const void *, const void *, const void *, void *, void *, int64_t, int64_t, float, int);
-typedef void (*rope_fn)(void *, int64_t, int64_t, int64_t, int64_t, const void *, const void *, int);
+typedef void (*norm_heads_fn)(void *, int64_t, int64_t, int64_t, int64_t, const void *, float, int);
+typedef void (*rope_fn)(void *, int64_t, int64_t, int64_t, int64_t, int64_t, const void *, const void *, int);
+typedef int (*rows_fn)(const void *, int64_t, int, int64_t, const int64_t *, int64_t, float *, int);
 typedef void (*silu_fn)(const void *, void *, int64_t, int64_t, int);
 typedef int (*attention_fn)(const void *, void *, void *, const int32_t *, const int32_t *, const int32_t *, int64_t,
                             int64_t, int64_t, int64_t, int64_t, int64_t, float, void *, int, int, const void *,
@@ -29,19 +32,26 @@ typedef struct {
     rope_fn rope;
     silu_fn silu;
     attention_fn attention;
+    norm_heads_fn norm_heads;
+    rows_fn rows; /* rows of a table in ggml blocks (a GGUF embedding) */
 } kernels_t;
 
-/* One linear layer as a kernel reads it: oneDNN's blocked layout (blocked_matmul) or strata's rows of float32,
-   bfloat16, FP8, int8 or int4 values (weight_only_matmul). */
-typedef struct {
+/* One linear layer as a kernel reads it: oneDNN's blocked layout (blocked_matmul) or rows of float32, bfloat16,
+   FP8, int8, int4 values or ggml blocks (weight_only_matmul); or `n_pieces` such layers whose outputs lie side by
+   side (a fused q/k/v whose parts a GGUF file stores in different types). */
+typedef struct linear_s {
     int64_t blocked, n, k;
     const void *weight;
     const float *bias;
     int64_t bf16, block, k_pad;                                  /* blocked */
     int64_t row_bytes, kind, groups, group_size;                 /* weight-only */
     const float *scales, *zeros;
+    int64_t n_pieces;
+    const struct linear_s *pieces;
 } linear_t;
 
+/* q/k norms over each head (NULL: none), the rotated leading dimensions of a head (partial rotary), the scale of
+   the block's output before the residual add, and which of the step's key ranges (sliding window) it reads. */
 typedef struct {
     const float *norm_weight;
     float eps;
@@ -49,6 +59,10 @@ typedef struct {
     float scale;
     linear_t qkv, o;
     void *k_cache, *v_cache;
+    const float *q_norm, *k_norm;
+    float qk_eps;
+    int64_t rotary_dim, ranges;
+    float out_scale;
 } attention_block_t;
 
 typedef struct {
@@ -56,19 +70,54 @@ typedef struct {
     float eps;
     int64_t hidden, intermediate;
     linear_t gate_up, down;
+    float out_scale;
 } mlp_block_t;
+
+/* The keys a step's tokens see through one kind of attention (full, or one sliding window). */
+typedef struct {
+    int64_t max_blocks;
+    const int32_t *block_tables, *first_keys, *seq_lens;
+} key_ranges_t;
 
 /* What every layer of one decode step shares. */
 typedef struct {
-    int64_t tokens, max_blocks;
-    const float *cos, *sin; /* [tokens, head_dim / 2] */
-    const int32_t *block_tables, *first_keys, *seq_lens;
+    int64_t tokens;
+    const float *cos, *sin; /* [tokens, rotary_dim / 2] */
+    const key_ranges_t *ranges;
     const int64_t *slots;
     int64_t threads;
 } decode_step_t;
 
 static int run_linear(const kernels_t *kn, const linear_t *l, const float *x, int64_t rows, float *out,
+                      int threads);
+
+/* Each piece into its own buffer, then its columns into out [rows, n]. */
+static int run_pieces(const kernels_t *kn, const linear_t *l, const float *x, int64_t rows, float *out, int threads) {
+    int64_t widest = 0, at = 0;
+    for (int64_t p = 0; p < l->n_pieces; p++) widest = l->pieces[p].n > widest ? l->pieces[p].n : widest;
+    float *part = malloc((size_t)(rows * widest) * sizeof(float));
+    if (!part) return -1;
+    for (int64_t p = 0; p < l->n_pieces; p++) {
+        const linear_t *piece = l->pieces + p;
+        const int status = run_linear(kn, piece, x, rows, part, threads);
+        if (status) {
+            free(part);
+            return status;
+        }
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(out + r * l->n + at, part + r * piece->n, (size_t)piece->n * sizeof(float));
+        at += piece->n;
+    }
+    free(part);
+    if (l->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < l->n; j++) out[r * l->n + j] += l->bias[j];
+    return 0;
+}
+
+static int run_linear(const kernels_t *kn, const linear_t *l, const float *x, int64_t rows, float *out,
                       int threads) {
+    if (l->n_pieces) return run_pieces(kn, l, x, rows, out, threads);
     if (l->blocked)
         return kn->blocked(x, rows, l->k, l->weight, (int)l->bf16, l->block, l->k_pad, l->n, l->bias, out, threads, 0);
     return kn->weight_only(x, rows, l->k, l->weight, l->row_bytes, (int)l->kind, l->scales, l->zeros, l->groups,
@@ -90,23 +139,35 @@ static void pre_norm(const kernels_t *kn, const float *x, float *residual, int f
 /* out [T, hidden] = o_proj(attention(rope(qkv_proj(norm(x (+ residual)))))); the step's keys and values are
    written to the cache. scratch: [T, hidden] normed input, [T, q + 2 kv] qkv, [T, q] contiguous q, [T, q]
    attention output. Returns 0, or the failing kernel's status. */
+static void scale_rows(float *x, int64_t n, float by) {
+    if (by != 1.f)
+        for (int64_t i = 0; i < n; i++) x[i] *= by;
+}
+
 int attention_block(const kernels_t *kn, const attention_block_t *b, const decode_step_t *step, const float *x,
                     float *residual, int first, float *scratch, float *out) {
     const int64_t t = step->tokens, q_width = b->num_heads * b->head_dim, kv_width = b->num_kv_heads * b->head_dim;
     const int64_t row = q_width + 2 * kv_width;
     const int threads = (int)step->threads;
+    const key_ranges_t *keys = step->ranges + b->ranges;
     float *normed = scratch, *qkv = normed + t * b->hidden, *q = qkv + t * row, *attn = q + t * q_width;
     pre_norm(kn, x, residual, first, b->norm_weight, b->eps, t, b->hidden, normed);
     int status = run_linear(kn, &b->qkv, normed, t, qkv, threads);
     if (status) return status;
-    kn->rope(qkv, t, b->num_heads, b->head_dim, row, step->cos, step->sin, 0);
-    kn->rope(qkv + q_width, t, b->num_kv_heads, b->head_dim, row, step->cos, step->sin, 0);
+    if (b->q_norm) {
+        kn->norm_heads(qkv, t, b->num_heads, b->head_dim, row, b->q_norm, b->qk_eps, 0);
+        kn->norm_heads(qkv + q_width, t, b->num_kv_heads, b->head_dim, row, b->k_norm, b->qk_eps, 0);
+    }
+    kn->rope(qkv, t, b->num_heads, b->head_dim, b->rotary_dim, row, step->cos, step->sin, 0);
+    kn->rope(qkv + q_width, t, b->num_kv_heads, b->head_dim, b->rotary_dim, row, step->cos, step->sin, 0);
     for (int64_t i = 0; i < t; i++) memcpy(q + i * q_width, qkv + i * row, (size_t)q_width * sizeof(float));
-    status = kn->attention(q, b->k_cache, b->v_cache, step->block_tables, step->first_keys, step->seq_lens, t,
-                           b->num_heads, b->num_kv_heads, b->head_dim, b->block_size, step->max_blocks, b->scale,
+    status = kn->attention(q, b->k_cache, b->v_cache, keys->block_tables, keys->first_keys, keys->seq_lens, t,
+                           b->num_heads, b->num_kv_heads, b->head_dim, b->block_size, keys->max_blocks, b->scale,
                            attn, threads, 0, qkv + q_width, qkv + q_width + kv_width, row, step->slots);
     if (status) return status;
-    return run_linear(kn, &b->o, attn, t, out, threads);
+    status = run_linear(kn, &b->o, attn, t, out, threads);
+    scale_rows(out, t * b->hidden, b->out_scale);
+    return status;
 }
 
 /* out [T, hidden] = down(silu(gate) * up) of norm(x + residual), the residual updated in place. scratch: [T, hidden]
@@ -120,7 +181,9 @@ int mlp_block(const kernels_t *kn, const mlp_block_t *b, const decode_step_t *st
     int status = run_linear(kn, &b->gate_up, normed, t, gate_up, threads);
     if (status) return status;
     kn->silu(gate_up, act, t, b->intermediate, 0);
-    return run_linear(kn, &b->down, act, t, out, threads);
+    status = run_linear(kn, &b->down, act, t, out, threads);
+    scale_rows(out, t * b->hidden, b->out_scale);
+    return status;
 }
 
 /* Layers [0, n) of a stage, one after the other: x (or, when not first, x + residual) through each layer's
@@ -153,6 +216,8 @@ typedef struct {
     const float *final_norm;
     float final_eps;
     linear_t head;
+    int64_t table_kind, table_row_bytes; /* a table in ggml blocks: its kernel kind (0: float32 or bfloat16 rows) */
+    float embed_scale, logits_divisor;   /* embeddings times, logits divided by (1: none) */
 } decode_model_t;
 
 /* Each row's first largest value, a NaN counting as the largest (torch's and numpy's argmax). */
@@ -186,12 +251,17 @@ int decode_forward(const kernels_t *kn, const attention_block_t *attention, cons
     for (int64_t i = 0; i < t; i++) {
         if (token_ids[i] < 0 || token_ids[i] >= m->vocab) return -2;
         if (positions[i] < 0 || positions[i] >= m->rope_rows) return -3;
-        if (m->bf16) {
+        if (m->table_kind) {
+            const int status = kn->rows(m->table, m->table_row_bytes, (int)m->table_kind, hidden, token_ids + i, 1,
+                                        x + i * hidden, 1);
+            if (status) return status;
+        } else if (m->bf16) {
             const uint16_t *row = (const uint16_t *)m->table + token_ids[i] * hidden;
             for (int64_t j = 0; j < hidden; j++) x[i * hidden + j] = bf16_to_f32(row[j]);
         } else {
             memcpy(x + i * hidden, (const float *)m->table + token_ids[i] * hidden, (size_t)hidden * sizeof(float));
         }
+        scale_rows(x + i * hidden, hidden, m->embed_scale);
         memcpy(cos + i * half, m->rope_cos + positions[i] * half, (size_t)half * sizeof(float));
         memcpy(sin + i * half, m->rope_sin + positions[i] * half, (size_t)half * sizeof(float));
     }
@@ -203,6 +273,8 @@ int decode_forward(const kernels_t *kn, const attention_block_t *attention, cons
     if (status) return status;
     status = run_linear(kn, &m->head, attn_out, t, logits, (int)step->threads);
     if (status) return status;
+    if (m->logits_divisor != 1.f)
+        for (int64_t i = 0; i < t * m->head.n; i++) logits[i] /= m->logits_divisor;
     first_argmax(logits, t, m->head.n, argmax);
     return 0;
 }

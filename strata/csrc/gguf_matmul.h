@@ -1,6 +1,7 @@
 /* Small-batch products of GGUF block weights (included by weight_only.c after its dense kernels): each weight row
    read once for every row of x, its 32-value runs dequantized in registers (gguf_blocks.h) and multiplied in float,
-   as `x @ dequantized.T` is. */
+   as `x @ dequantized.T` is; on AVX2 CPUs 1-3 rows of x take the fixed-point kernels of gguf_dot_avx2.h instead
+   (Q8_0, whose float kernel already reads at memory speed, excepted). */
 #ifndef STRATA_GGUF_MATMUL_H
 #define STRATA_GGUF_MATMUL_H
 
@@ -116,7 +117,7 @@ static void gguf_rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const 
 }
 
 /* out[m_total, n] = x times a GGUF block weight's transpose (+ bias); the rows of the weight shared among the
-   threads. */
+   threads. Returns 0, or -1 when scratch memory ran out. */
 static int gguf_matmul(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
                        int num_threads) {
 #if USE_AVX2

@@ -46,3 +46,17 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
                     (float *)out + at, (float *)sum_out + at, hidden, eps);
     }
 }
+
+/* Each head of each token normalized in place (Qwen3's q/k norms over head_dim): heads `head_dim` apart, tokens
+   `row_stride` apart (views into a fused qkv output). */
+void rms_norm_heads(void *x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t row_stride, const void *weight,
+                    float eps, int bf16) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t at = t * row_stride + h * head_dim;
+            if (bf16)
+                row_bf16((const uint16_t *)x + at, NULL, weight, (uint16_t *)x + at, NULL, head_dim, eps);
+            else
+                row_f32((const float *)x + at, NULL, weight, (float *)x + at, NULL, head_dim, eps);
+        }
+}

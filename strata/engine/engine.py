@@ -7,7 +7,7 @@ import time
 from collections import deque
 from typing import Any
 
-from strata.config import EngineConfig, resolve_device
+from strata.config import EngineConfig
 from strata.engine.grammars import GrammarState
 from strata.engine.kv_cache import KVCacheManager
 from strata.engine.output_processor import RequestGroup, SequenceState, TokenTextCache, stop_condition
@@ -35,14 +35,14 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.tokenizer_gguf_file)
         self.reasoning = reasoning_parser(config.structured.reasoning_parser, self.tokenizer)
         self.mm_processor = ImagePromptProcessor.for_model(config.model, self.tokenizer)
+        # Before the target loads: a draft model's configuration errors come first, and quickly.
+        self.spec = None if config.speculative is None else SpeculativeDecoder(config.speculative, config)
+        if self.spec is not None:
+            self.spec.grammar_cut = self._grammar_cut
         self.executor = create_executor(config)
         kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching)
         slots = SlotPool(config.scheduler.max_num_seqs) if config.model.text_info.is_hybrid else None
-        self.spec = None if config.speculative is None else SpeculativeDecoder(
-            config.speculative, resolve_device(config.device).type)
-        if self.spec is not None:
-            self.spec.grammar_cut = self._grammar_cut
         self.scheduler = Scheduler(config.scheduler, kv, slots, self.spec)
         self.groups: dict[str, RequestGroup] = {}
         self.sequence_of: dict[str, tuple[RequestGroup, SequenceState]] = {}

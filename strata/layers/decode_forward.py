@@ -15,8 +15,11 @@ import numpy as np
 import torch
 
 from strata.layers import decode_block
-from strata.layers.decode_block import FusedDecodeStack, _Linear, describe_linear
+from strata.layers.decode_block import _Linear, describe_linear
+from strata.layers.decode_stack import FusedDecodeStack, step_description
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from strata.layers.quantization import gguf_quants
+from strata.layers.quantization.gguf_method import GGUFMethod
 from strata.native import PTR
 
 _TABLE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -25,14 +28,19 @@ _TABLE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 class _Model(ctypes.Structure):
     _fields_ = [("table", PTR), ("vocab", ctypes.c_int64), ("bf16", ctypes.c_int64), ("rope_cos", PTR),
                 ("rope_sin", PTR), ("rope_rows", ctypes.c_int64), ("rope_half", ctypes.c_int64),
-                ("final_norm", PTR), ("final_eps", ctypes.c_float), ("head", _Linear)]
+                ("final_norm", PTR), ("final_eps", ctypes.c_float), ("head", _Linear), ("table_kind", ctypes.c_int64),
+                ("table_row_bytes", ctypes.c_int64), ("embed_scale", ctypes.c_float),
+                ("logits_divisor", ctypes.c_float)]
 
 
 class FusedDecodeForward:
     """Logits and greedy tokens of a decode step from the stack's layers and the model's embedding and LM head."""
 
-    def __init__(self, stack: FusedDecodeStack, embedding: VocabParallelEmbedding, lm_head: ParallelLMHead) -> None:
+    def __init__(self, stack: FusedDecodeStack, embedding: VocabParallelEmbedding, lm_head: ParallelLMHead,
+                 embed_scale: float = 1.0, logits_divisor: float = 1.0) -> None:
+        """`embed_scale`: embeddings are multiplied by it, `logits_divisor`: logits divided by it (Granite)."""
         self.stack, self.embedding, self.lm_head = stack, embedding, lm_head
+        self.scales = embed_scale, logits_divisor
         self._model: tuple | None | bool = False  # False: not described yet; else (struct, tensors, head's rows)
         self._scratch = torch.empty(0)
         self._outputs: dict[int, tuple] = {}  # rows -> (logits, argmax, their addresses)
@@ -51,9 +59,8 @@ class FusedDecodeForward:
             return None
         attention, mlp, widest = blocks
         model = self._model[0]
-        attn_module = self.stack.fused[0].layer.self_attn
-        step, _ = decode_block.step_description(meta, attn_module.attn, rows)
-        need = rows * (4 * model.head.k + 2 * model.rope_half) + decode_block._scratch_floats(widest, rows)
+        step, _ = step_description(meta, self.stack.windows, rows)
+        need = rows * (4 * model.head.k + 2 * model.rope_half) + widest.scratch_floats(rows)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         if rows not in self._outputs:
@@ -74,7 +81,7 @@ class FusedDecodeForward:
 
     def _bind_rope(self, rows: int) -> None:
         """Point the call at rotary tables covering positions below `rows`."""
-        cos, sin = self.stack.fused[0].layer.self_attn.rotary.float_tables(rows)
+        cos, sin = self.stack.rotary.float_tables(rows)
         model, keep, _ = self._model
         model.rope_cos, model.rope_sin, model.rope_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         keep["rope"] = (cos, sin)
@@ -82,16 +89,31 @@ class FusedDecodeForward:
     def _describe(self) -> tuple[_Model, dict, int] | None:
         """The model's ends as the C call reads them, the tensors they point into and the most rows the head's
         kernel serves (as `compute_logits` would choose it), or None when one of them needs the modules' path."""
-        table, head, norm = self.embedding.weight, self.lm_head, self.stack.final_norm
-        if norm is None or table.dtype not in _TABLE_DTYPES or not table.is_contiguous() or table.is_mkldnn \
-                or self.embedding.dtype != torch.float32 or head.pc.tp_size > 1 or self.embedding.pc.tp_size > 1:
+        head, norm = self.lm_head, self.stack.final_norm
+        table = self._table()
+        if norm is None or table is None or self.embedding.dtype != torch.float32 or head.pc.tp_size > 1 \
+                or self.embedding.pc.tp_size > 1:
             return None
-        keep: dict = {"tensors": [table, norm.weight]}
+        data, kind, row_bytes = table
+        keep: dict = {"tensors": [data, norm.weight]}
         described = describe_linear(head, None, keep["tensors"])
-        if described is None or described[0].n != self.embedding.vocab_size or described[0].k != table.shape[1]:
+        if described is None or described[0].n != self.embedding.vocab_size \
+                or described[0].k != self.embedding.hidden_size:
             return None
-        rope = self.stack.fused[0].layer.self_attn.rotary
-        model = _Model(table=table.data_ptr(), vocab=table.shape[0], bf16=_TABLE_DTYPES[table.dtype], rope_cos=None,
-                       rope_sin=None, rope_rows=0, rope_half=rope.head_dim // 2, final_norm=norm.weight.data_ptr(),
-                       final_eps=norm.eps, head=described[0])
+        model = _Model(table=data.data_ptr(), vocab=self.embedding.vocab_size,
+                       bf16=int(data.dtype == torch.bfloat16), rope_cos=None, rope_sin=None, rope_rows=0,
+                       rope_half=self.stack.rotary.rotary_dim // 2, final_norm=norm.weight.data_ptr(),
+                       final_eps=norm.eps, head=described[0], table_kind=kind, table_row_bytes=row_bytes,
+                       embed_scale=self.scales[0], logits_divisor=self.scales[1])
         return model, keep, described[1]
+
+    def _table(self) -> tuple[torch.Tensor, int, int] | None:
+        """(table, its kernel kind for rows in ggml blocks or 0 for float32 / bfloat16 rows, bytes per row)."""
+        if isinstance(self.embedding.quant, GGUFMethod):
+            [weight] = self.embedding.quant._ready()
+            return weight.data, gguf_quants.kernel_kind(weight.ggml_type), weight.data.stride(0)
+        table = self.embedding.weight
+        if self.embedding.quant is not None or table.dtype not in _TABLE_DTYPES or not table.is_contiguous() \
+                or table.is_mkldnn:
+            return None
+        return table, 0, 0

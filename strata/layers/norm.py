@@ -18,7 +18,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return native.bind("rms_norm", {"rms_norm": ([PTR] * 5 + [I64, I64, F32, I32], None)})
+    return native.bind("rms_norm", {"rms_norm": ([PTR] * 5 + [I64, I64, F32, I32], None),
+                                    "rms_norm_heads": ([PTR, I64, I64, I64, I64, PTR, F32, I32], None)})
 
 
 class RMSNorm(nn.Module):
@@ -36,6 +37,8 @@ class RMSNorm(nn.Module):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if self._kernel_serves(x, residual):
             return self._kernel(x, residual)
+        if residual is None and self._heads_kernel_serves(x):
+            return self._heads_kernel(x)
         if residual is None:
             return self.normalize(x)
         x = x + residual
@@ -47,6 +50,18 @@ class RMSNorm(nn.Module):
                 and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()
                                           and residual.shape == x.shape))
                 and _library() is not None)
+
+    def _heads_kernel_serves(self, x: torch.Tensor) -> bool:
+        """Heads [T, H, D] of a decode step, each contiguous (views into a qkv output): q/k norms."""
+        return (x.device.type == "cpu" and x.dim() == 3 and x.shape[0] <= KERNEL_ROWS and x.stride(2) == 1
+                and x.stride(1) == x.shape[2] and x.dtype in _DTYPES and self.weight.dtype == x.dtype
+                and _library() is not None)
+
+    def _heads_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.contiguous() if not x.is_contiguous() else x.clone()
+        _library().rms_norm_heads(out.data_ptr(), out.shape[0], out.shape[1], out.shape[2], out.stride(0),
+                                  self.weight.data_ptr(), self.eps, _DTYPES[x.dtype])
+        return out
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None):
         out = torch.empty_like(x)

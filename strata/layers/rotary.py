@@ -21,7 +21,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return native.bind("rotary", {"rope_half_split": ([PTR, I64, I64, I64, I64, PTR, PTR, I32], None)})
+    return native.bind("rotary", {"rope_half_split": ([PTR, I64, I64, I64, I64, I64, PTR, PTR, I32], None)})
 
 
 def _kernel_serves(x: torch.Tensor, head_dim: int) -> bool:
@@ -141,7 +141,7 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     def float_tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos and sin [n, head_dim / 2] of positions 0..n-1, n >= rows: `cos_sin`'s values, to look up
+        """float32 cos and sin [n, rotary_dim / 2] of positions 0..n-1, n >= rows: `cos_sin`'s values, to look up
         (grown by doubling, so a long generation computes them a few times)."""
         have = 0 if self._float_tables is None else self._float_tables[0].shape[0]
         if have < rows:
@@ -172,12 +172,11 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._step_cos_sin(positions, q.dtype)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
-        if self.rotary_dim < self.head_dim:  # the first rotary_dim dimensions rotate, the rest pass through
-            cos, sin = self._tables(positions, q.dtype)
-            return self._rotate_leading(q, cos, sin), self._rotate_leading(k, cos, sin)
         if _kernel_serves(q, self.head_dim) and _kernel_serves(k, self.head_dim):
             return self._rotate_in_place(positions, q, k)
         cos, sin = self._tables(positions, q.dtype)
+        if self.rotary_dim < self.head_dim:  # the first rotary_dim dimensions rotate, the rest pass through
+            return self._rotate_leading(q, cos, sin), self._rotate_leading(k, cos, sin)
         return self._rotate_half_split(q, cos, sin), self._rotate_half_split(k, cos, sin)
 
     def _rotate_in_place(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -185,8 +184,8 @@ class RotaryEmbedding(nn.Module):
         """q and k rotated in place: callers pass fresh projections (views into one qkv output)."""
         cos, sin = self._step_cos_sin(positions, q.dtype)  # [T, D / 2], contiguous
         for x in (q, k):
-            _library().rope_half_split(x.data_ptr(), x.shape[0], x.shape[1], self.head_dim, x.stride(0),
-                                       cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype])
+            _library().rope_half_split(x.data_ptr(), x.shape[0], x.shape[1], self.head_dim, self.rotary_dim,
+                                       x.stride(0), cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype])
         return q, k
 
     def _rotate_leading(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

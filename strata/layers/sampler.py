@@ -97,7 +97,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
         temperature = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=device)
-        logits = logits / temperature.unsqueeze(1)
+        # A tiny repetition penalty or temperature overflows logits to +inf, whose softmax is NaN; -inf (a
+        # grammar's mask) stays.
+        logits = (logits / temperature.unsqueeze(1)).clamp(max=torch.finfo(logits.dtype).max)
         logits = apply_top_k_top_p(logits, rows)
         probs = logits.softmax(-1)
         if any(r.params.min_p > 0 for r in rows):
@@ -171,8 +173,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
                                       device=logits.device)
             seen[prompt_ids] = True
             row_logits = logits[i]
-            penalized = torch.where(row_logits > 0, row_logits / p.repetition_penalty,
-                                    row_logits * p.repetition_penalty)
+            # Below float32's range a penalty would be 0, and -inf (a grammar's mask) * 0 is NaN.
+            penalty = max(p.repetition_penalty, torch.finfo(logits.dtype).tiny)
+            penalized = torch.where(row_logits > 0, row_logits / penalty, row_logits * penalty)
             logits[i] = torch.where(seen, penalized, row_logits)
         logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return logits

@@ -16,8 +16,8 @@ from torch import nn
 
 from strata.config import HFConfig, ModelConfig
 from strata.distributed import IntermediateTensors, ParallelContext, pp_layer_range
-from strata.layers.decode_block import FusedDecodeStack
 from strata.layers.decode_forward import FusedDecodeForward
+from strata.layers.decode_stack import FusedDecodeStack
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
@@ -38,6 +38,8 @@ class ModelArgs:
     num_layers: int
     norm_eps: float
     tie_word_embeddings: bool
+    embedding_multiplier: float = 1.0  # embeddings are scaled by it (Granite)
+    logits_scaling: float = 1.0  # logits are divided by it (Granite)
 
     @staticmethod
     def common(cfg: HFConfig, *, eps_key: str = "rms_norm_eps", eps: float = 1e-6,
@@ -111,7 +113,8 @@ class CausalLM(nn.Module):
         if not (self.pc.is_first_stage and self.pc.is_last_stage) or self.decode_stack.final_norm is None \
                 or (cls.forward, cls.embed_input_ids, cls.compute_logits) != own:
             return None
-        return FusedDecodeForward(self.decode_stack, self.get_submodule(self.names.embedding), self.lm_head)
+        return FusedDecodeForward(self.decode_stack, self.get_submodule(self.names.embedding), self.lm_head,
+                                  self.args.embedding_multiplier, self.args.logits_scaling)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta
                       ) -> tuple[torch.Tensor, np.ndarray] | None:
@@ -135,9 +138,9 @@ class CausalLM(nn.Module):
             x, residual = intermediate.hidden_states, intermediate.residual
         context = self.layer_context(meta)
         stacked = self.decode_stack(positions, x, residual, context)  # a CPU decode step: every layer in one call
-        if stacked is None:
-            for layer in self.get_submodule(self.names.layers)[self.start:self.end]:
-                x, residual = layer(positions, x, residual, context)
+        if stacked is None:  # each layer: its blocks' C calls on a CPU decode step, else its modules
+            for i, layer in enumerate(self.get_submodule(self.names.layers)[self.start:self.end]):
+                x, residual = self.decode_stack.layer(i, layer, positions, x, residual, context)
         elif self.decode_stack.final_norm is not None:  # the call applied the final norm too
             return stacked[0]
         else:
@@ -148,10 +151,12 @@ class CausalLM(nn.Module):
         return self.finish(x, residual)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.get_submodule(self.names.embedding)(input_ids)
+        x = self.get_submodule(self.names.embedding)(input_ids)
+        return x if self.args.embedding_multiplier == 1.0 else x * self.args.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        return logits if self.args.logits_scaling == 1.0 else logits / self.args.logits_scaling
 
     def rename_weight(self, name: str) -> str:
         """Checkpoint name -> parameter name, for checkpoints that spell a module differently."""

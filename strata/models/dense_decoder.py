@@ -1,6 +1,7 @@
-"""Llama's descendants that differ from it only by flags: q/k/v biases (Qwen2), per-head q/k RMSNorm and an explicit
-head_dim (Qwen3), sliding windows on some layers or all (Qwen2, Qwen3, Mistral); Phi-3, Granite and Qwen3-MoE build
-on the attention and decoder layer here."""
+"""Llama's decoder and its descendants that differ from it only by flags: q/k/v biases (Qwen2), per-head q/k RMSNorm
+and an explicit head_dim (Qwen3), sliding windows on some layers or all (Qwen2, Qwen3, Mistral); Llama, Phi-3, Granite
+and Qwen3-MoE build on the attention and decoder layer here, which describe themselves to the CPU decode path
+(`decode_blocks`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,12 +12,20 @@ from torch import nn
 
 from strata.config import HFConfig
 from strata.distributed import ParallelContext
+from strata.errors import UnsupportedModelError
+from strata.layers.activation import silu_and_mul
 from strata.layers.attention import Attention, AttentionMetadata
-from strata.layers.linear import QKVParallelLinear, RowParallelLinear
+from strata.layers.decode_block import DecoderBlocks
+from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models.base import CausalLM, ModelArgs
-from strata.models.llama import QKV_GATE_UP, LlamaMLP, PreNormDecoderLayer
+
+# Checkpoints store q, k, v and gate, up separately; they load into one fused projection each.
+QKV_GATE_UP: list[tuple[str, str, object]] = [
+    (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1),
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +48,9 @@ class DenseArgs(ModelArgs):
     @staticmethod
     def attention(cfg: HFConfig, head_dim: int | None = None) -> dict[str, Any]:
         """The keys every one of these architectures reads as Llama does; `head_dim` when the config has none."""
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r} is not supported by {cfg.get('model_type')} "
+                                        "models (their MLPs are SwiGLU: silu)", param="hidden_act")
         heads = cfg.num_attention_heads
         theta, scaling = rope_parameters(cfg)
         return dict(intermediate_size=cfg.intermediate_size, num_heads=heads,
@@ -86,6 +98,41 @@ class MistralArgs(DenseArgs):
                    windows=(window,) * cfg.num_hidden_layers)
 
 
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one projection."""
+
+    def __init__(self, hidden: int, intermediate: int, pc: ParallelContext, dtype: torch.dtype,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, pc, bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, pc, bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """Attention then a feed-forward block, each behind an RMSNorm that also adds the residual carried in
+    from the previous block. Subclasses build the modules and say which feed-forward block runs."""
+
+    self_attn: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.feed_forward_block(x), residual
+
+
 class DenseAttention(nn.Module):
     def __init__(self, a: DenseArgs, window: int | None, pc: ParallelContext, dtype: torch.dtype,
                  rotary: RotaryEmbedding) -> None:
@@ -127,6 +174,13 @@ class DenseDecoderLayer(PreNormDecoderLayer):
     def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
         out = self.mlp(x)
         return out if self.output_scale == 1.0 else out * self.output_scale
+
+    def decode_blocks(self) -> DecoderBlocks:
+        attn, mlp = self.self_attn, self.mlp
+        swiglu = isinstance(mlp, LlamaMLP)
+        return DecoderBlocks(self.input_layernorm, attn.qkv_proj, attn.q_norm, attn.k_norm, attn.rotary, attn.attn,
+                             attn.o_proj, self.post_attention_layernorm, mlp.gate_up_proj if swiglu else None,
+                             mlp.down_proj if swiglu else None, self.feed_forward_block, self.output_scale)
 
 
 class DenseCausalLM(CausalLM):

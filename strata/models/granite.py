@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from strata.config import HFConfig
 from strata.models.base import ModelArgs
 from strata.models.dense_decoder import DenseArgs, DenseCausalLM
@@ -13,9 +11,6 @@ from strata.models.dense_decoder import DenseArgs, DenseCausalLM
 
 @dataclass(frozen=True, kw_only=True)
 class GraniteArgs(DenseArgs):
-    embedding_multiplier: float
-    logits_scaling: float
-
     @classmethod
     def from_hf(cls, cfg: HFConfig) -> GraniteArgs:
         bias = bool(cfg.get("attention_bias", False))
@@ -28,11 +23,7 @@ class GraniteArgs(DenseArgs):
 
 
 class GraniteForCausalLM(DenseCausalLM):
+    """The multipliers are ModelArgs' and DenseArgs' own, which the CPU decode path applies too."""
+
     args: GraniteArgs
     args_class = GraniteArgs
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().embed_input_ids(input_ids) * self.args.embedding_multiplier
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().compute_logits(hidden) / self.args.logits_scaling

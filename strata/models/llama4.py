@@ -18,7 +18,8 @@ from strata.layers.moe import FusedMoE, expert_params_mapping
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models.base import CausalLM, ModelArgs
-from strata.models.llama import QKV_GATE_UP, LlamaArgs, PreNormDecoderLayer
+from strata.models.dense_decoder import QKV_GATE_UP, PreNormDecoderLayer
+from strata.models.llama import LlamaArgs
 
 logger = logging.getLogger(__name__)
 

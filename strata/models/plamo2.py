@@ -20,7 +20,7 @@ from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models import loader
 from strata.models.base import CausalLM, CheckpointNames, ModelArgs
-from strata.models.llama import LlamaMLP
+from strata.models.dense_decoder import LlamaMLP
 
 # The checkpoint stores sandwich and final norms as offsets from these values; they are folded in at load.
 NORM_OFFSETS = {"pre_mixer_norm": 1.0, "post_mixer_norm": 0.2, "pre_mlp_norm": 1.0, "post_mlp_norm": 5 ** -1.5}

@@ -14,8 +14,7 @@ from strata.distributed import Collective, ParallelContext, StepSize, tp_collect
 from strata.layers.linear import ReplicatedLinear
 from strata.layers.moe import FusedMoE, expert_params_mapping, topk_softmax_routing
 from strata.models.base import ModelArgs
-from strata.models.dense_decoder import DenseArgs, DenseCausalLM, DenseDecoderLayer
-from strata.models.llama import QKV_GATE_UP
+from strata.models.dense_decoder import QKV_GATE_UP, DenseArgs, DenseCausalLM, DenseDecoderLayer
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -118,3 +118,25 @@ def test_speculation_is_refused_for_models_whose_state_cannot_roll_back(tmp_path
     with pytest.raises(ConfigError, match="cannot be rolled back") as refused:
         EngineConfig.create(str(path), speculative_config=NGRAM)
     assert refused.value.param == "speculative_config"
+
+
+def test_a_draft_model_gives_the_same_tokens_and_a_copy_of_the_target_drafts_them_all(llama_gqa, plain):
+    llm = LLM(str(llama_gqa), max_model_len=256, speculative_config={"model": str(llama_gqa),
+                                                                      "num_speculative_tokens": 3})
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert tokens(llm.generate(PROMPTS[:3], greedy, use_tqdm=False)) == tokens(plain.generate(PROMPTS[:3], greedy,
+                                                                                              use_tqdm=False))
+    stats = llm.engine.spec.stats
+    assert stats.num_drafts > 5 and stats.acceptance_rate == 1.0  # its own greedy tokens
+    seeded = [SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(3)]
+    assert tokens(llm.generate(PROMPTS[:3], seeded, use_tqdm=False)) == tokens(plain.generate(PROMPTS[:3], seeded,
+                                                                                              use_tqdm=False))
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(llama_gqa, tmp_path):
+    from checkpoints import make_llama
+
+    other = make_llama(tmp_path / "other_vocab", vocab_size=300, num_layers=1)
+    with pytest.raises(ConfigError, match="does not share the target's tokenizer") as refused:
+        LLM(str(llama_gqa), speculative_config={"model": str(other), "num_speculative_tokens": 2})
+    assert refused.value.param == "speculative_config.model"

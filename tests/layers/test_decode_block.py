@@ -8,7 +8,8 @@ from checkpoints import make_llama
 
 from strata import LLM, SamplingParams
 from strata.layers import decode_block
-from strata.layers.decode_block import FusedDecodeLayer, FusedDecodeStack
+from strata.layers.decode_block import FusedDecodeLayer
+from strata.layers.decode_stack import FusedDecodeStack
 from strata.layers.decode_forward import FusedDecodeForward
 
 PROMPTS = [{"prompt_token_ids": list(range(3 + i, 9 + 3 * i))} for i in range(3)]
@@ -30,6 +31,13 @@ def _count_served(monkeypatch, cls: type) -> list:
     calls, original = [], cls.__call__
     monkeypatch.setattr(cls, "__call__", lambda self, *args: calls.append(original(self, *args)) or calls[-1])
     return calls
+
+
+def _modules_only(monkeypatch) -> None:
+    """Every fused path off: the stack and the whole step keep the plans they described, so each is switched off."""
+    monkeypatch.setattr(FusedDecodeForward, "__call__", lambda self, *args: None)
+    monkeypatch.setattr(FusedDecodeStack, "__call__", lambda self, *args: None)
+    monkeypatch.setattr(FusedDecodeLayer, "serves_rows", lambda self, rows, meta: False)
 
 
 def _generate(llm: LLM, n: int) -> list:
@@ -57,7 +65,7 @@ def test_fused_decode_gives_the_modules_tokens_and_logprobs_exactly(llama_with_b
         taken = {"whole step": whole, "stack": stacked, "blocks": []}[path]
         if path != "blocks":  # the 11 decode steps (a prefill goes through the modules)
             assert sum(s is not None for s in taken) == 11
-        monkeypatch.setattr(FusedDecodeLayer, "serves_rows", lambda self, rows, meta: False)
+        _modules_only(monkeypatch)
         plain = _generate(llm, batch)
     finally:
         llm.shutdown()
@@ -96,7 +104,7 @@ def test_the_whole_step_reads_a_bfloat16_tied_table_and_grows_its_rotary_tables(
         model = llm.engine.executor.runner.model.model
         assert model.embed_tokens.weight.dtype == torch.bfloat16
         assert model.layers[0].self_attn.rotary.float_tables(1)[0].shape[0] == 512  # grown once, past 256
-        monkeypatch.setattr(FusedDecodeLayer, "serves_rows", lambda self, rows, meta: False)
+        _modules_only(monkeypatch)
         plain = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
     finally:
         llm.shutdown()

@@ -30,3 +30,30 @@ def test_prefill_sized_batches_and_interleaved_pairs_return_copies():
         before = q.clone()
         got_q, _ = rope(positions, q, k)
         assert got_q.data_ptr() != q.data_ptr() and torch.equal(q, before)
+
+
+@pytest.mark.parametrize("max_model_len, positions", [(64, [0, 5, 63]), (256, [0, 70, 255])],
+                         ids=["short_factors", "long_factors"])
+def test_partial_longrope_rotation_matches_transformers_phi3(max_model_len, positions):
+    """Half of each head rotates, with LongRoPE's factors and attention scaling; transformers picks its factors by
+    the positions it sees (here all on one side of the original length), strata by max_model_len once."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    from strata.hf_config import HFConfig
+    from strata.layers.rotary import partial_rotary_factor, rope_parameters
+
+    values = dict(hidden_size=64, num_attention_heads=2, partial_rotary_factor=0.5, max_position_embeddings=256,
+                  original_max_position_embeddings=64,
+                  rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.2, 2.9, 3.1, 4.0],
+                                "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 9.0, 12.0, 20.0]})
+    base, scaling = rope_parameters(HFConfig(values))
+    rope = RotaryEmbedding(32, base, scaling, rotary_dim=int(32 * partial_rotary_factor(HFConfig(values))),
+                           max_model_len=max_model_len)
+    q, k = torch.randn(3, 2, 32), torch.randn(3, 1, 32)
+    got_q, got_k = rope(torch.tensor(positions), q.clone(), k.clone())
+    reference = Phi3RotaryEmbedding(Phi3Config(**values))
+    cos, sin = reference(q, torch.tensor([positions]))
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), rtol=0, atol=1e-6)

@@ -133,6 +133,17 @@ def test_grammar_bitmask_constrains_only_its_rows_before_logprobs():
     assert out.logprobs[2].logprob == 0.0
 
 
+def test_extreme_penalty_and_temperature_still_sample_only_what_the_grammar_allows():
+    logits = torch.randn(4, 70, generator=torch.Generator().manual_seed(1)) * 10
+    allowed = [[3, 9, 40]] * 4
+    seen = list(range(70))  # every token was in the prompt: the penalty touches allowed and masked ones alike
+    rows = [row(repetition_penalty=1e-120, prompt=seen, seed=s) for s in range(2)]
+    rows += [row(repetition_penalty=1e-120, temperature=1e-5, prompt=seen), row(temperature=1e-300)]
+    for _ in range(20):
+        out = sampler()(logits.clone(), rows, (list(range(4)), bitmask_allowing(allowed, 70)))
+        assert all(t in allowed[0] for t in out.token_ids), out.token_ids
+
+
 def test_a_given_argmax_serves_plain_greedy_rows_and_is_ignored_once_the_logits_change():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(0))
     given = np.array([7, 11])  # no argmax of these logits, plain or changed: shows which rows trusted it

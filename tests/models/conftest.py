@@ -23,8 +23,8 @@ def arch_path(tmp_path_factory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
-def oracle() -> Callable[..., list[dict]]:
-    """oracle(path, prompts, max_tokens): transformers' greedy tokens and log-probabilities, computed once."""
+def hf_outputs() -> Callable[..., list[dict]]:
+    """hf_outputs(path, prompts, max_tokens): transformers' greedy tokens and log-probabilities, computed once."""
 
     @functools.cache
     def run(path: Path, prompts: tuple[tuple[int, ...], ...], max_tokens: int) -> list[dict]:

@@ -1,8 +1,8 @@
 """The engine's ways of running a sequence in pieces keep transformers' greedy tokens on Qwen2, Qwen3, Qwen3-MoE,
 Mistral, Phi-3 and Granite: prefill chunks smaller than a block, prefix-cache hits (continuing from cached blocks),
-and preemption mid-sequence (recomputed from scratch); on Qwen2's and Mistral's checkpoints the 16-token sliding
-windows run over the paged cache, across chunk boundaries and cached blocks; and under the Triton kernels (Triton's
-interpreter on CPU) too."""
+and preemption mid-sequence (recomputed from scratch). On Qwen2's and Mistral's checkpoints the 16-token sliding
+windows run over the paged cache, across chunk boundaries and cached blocks; on Qwen2's (windowed and full layers)
+under the Triton kernels too (Triton's interpreter on CPU)."""
 from __future__ import annotations
 
 import json
@@ -31,17 +31,17 @@ def tokens(outputs: list) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_chunked_prefill_and_prefix_hits_keep_transformers_tokens(arch_path, oracle, name):
+def test_chunked_prefill_and_prefix_hits_keep_transformers_tokens(arch_path, hf_outputs, name):
     path = arch_path(name)
     # One sequence at a time, so the second finds the first's blocks cached; 6-token chunks split every block.
     outputs = strata_greedy(path, SHARED_PREFIX_PROMPTS, 8, enable_prefix_caching=True, max_num_seqs=1,
                             max_num_batched_tokens=6)
-    assert tokens(outputs) == [want["tokens"] for want in oracle(path, SHARED_PREFIX_PROMPTS, 8)]
+    assert tokens(outputs) == [want["tokens"] for want in hf_outputs(path, SHARED_PREFIX_PROMPTS, 8)]
     assert outputs[1].num_cached_tokens == 2 * BLOCK_SIZE
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_preemption_mid_sequence_recomputes_transformers_tokens(arch_path, oracle, name):
+def test_preemption_mid_sequence_recomputes_transformers_tokens(arch_path, hf_outputs, name):
     path = arch_path(name)
     prompts = tuple(tuple(p) for p in random_prompts((28, 29, 30), seed=12))
     # Six blocks admit the three prompts (two blocks each); the first to need a third block preempts another.
@@ -50,17 +50,17 @@ def test_preemption_mid_sequence_recomputes_transformers_tokens(arch_path, oracl
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert tokens(outputs) == [want["tokens"] for want in oracle(path, prompts, 8)]
+    assert tokens(outputs) == [want["tokens"] for want in hf_outputs(path, prompts, 8)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton on CPU needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py)")
-def test_sliding_windows_under_the_triton_kernels_keep_transformers_tokens(arch_path, oracle):
+def test_sliding_windows_under_the_triton_kernels_keep_transformers_tokens(arch_path, hf_outputs):
     """Qwen2's layers 1-2 are windowed, layer 0 is not: prompt and output run past the window, in chunks, from
     cached blocks. A handful of tokens: each step is slow in the interpreter."""
     pytest.importorskip("triton")
     path = arch_path("qwen2")
     outputs = strata_greedy(path, SHARED_PREFIX_PROMPTS, 2, kernels="triton", enable_prefix_caching=True,
                             max_num_seqs=1, max_num_batched_tokens=24)
-    assert tokens(outputs) == [want["tokens"] for want in oracle(path, SHARED_PREFIX_PROMPTS, 2)]
+    assert tokens(outputs) == [want["tokens"] for want in hf_outputs(path, SHARED_PREFIX_PROMPTS, 2)]
     assert outputs[1].num_cached_tokens == 2 * BLOCK_SIZE

@@ -47,14 +47,17 @@ def _scheduled(step: int, prompts: list[list[int]], outputs: list[list[int]], bl
     return SchedulerOutput(requests)
 
 
+def engine_config(path: str, tp: int = 1, pp: int = 1) -> EngineConfig:
+    return EngineConfig.create(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32",
+                               device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+
+
 def greedy(path: str, pc: ParallelContext, calls: list | None = None) -> dict:
     """Greedy tokens and top-5 logprobs of every prompt, with this rank's weight bytes and (with `calls`, the
-    collectives recorded under it) each counted step's issued and planned TP collectives."""
+    collectives recorded under it) the TP collectives each counted step issued, and the step's size."""
     from strata.executor.model_runner import ModelRunner
-    from strata.plan import plan_rank, step_collectives
 
-    config = EngineConfig.create(path, tensor_parallel_size=pc.tp_size, pipeline_parallel_size=pc.pp_size,
-                                 dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    config = engine_config(path, pc.tp_size, pc.pp_size)
     runner = ModelRunner(config, pc, torch.device("cpu"))
     blocks = -(-MAX_MODEL_LEN // config.cache.block_size)
     runner.allocate_kv_cache(len(PROMPTS) * blocks)
@@ -77,9 +80,7 @@ def greedy(path: str, pc: ParallelContext, calls: list | None = None) -> dict:
             pc.send_intermediate(runner.execute_stage(out)).wait()
             sampled = None
         if calls is not None and step < COUNTED_STEPS:
-            size = StepSize(num_tokens=out.num_tokens, num_sampled=len(PROMPTS))
-            planned = [[c.kind, c.numel, str(c.dtype)] for c in step_collectives(config, pc.rank, size)]
-            collectives.append({"issued": list(calls), "planned": planned})
+            collectives.append({"issued": list(calls), "num_tokens": out.num_tokens, "num_sampled": len(PROMPTS)})
         shared = [sampled]
         if pc.world_group is not None:  # every rank feeds the sampled tokens to the next step
             dist.broadcast_object_list(shared, src=sampler_rank)
@@ -88,9 +89,7 @@ def greedy(path: str, pc: ParallelContext, calls: list | None = None) -> dict:
             # str keys: the ranks' results travel as JSON
             logprobs[i].append({str(t): lp for t, lp in zip(token_logprobs.top_ids, token_logprobs.top_logprobs,
                                                            strict=True)})
-    plan = plan_rank(config, pc.rank)
-    return {"tokens": outputs, "logprobs": logprobs, "weight_bytes": runner.weight_bytes,
-            "planned_bytes": plan.param_bytes, "collectives": collectives}
+    return {"tokens": outputs, "logprobs": logprobs, "weight_bytes": runner.weight_bytes, "collectives": collectives}
 
 
 def _record(calls: list, kind: str, original):
@@ -125,7 +124,7 @@ def runs(arch_path, tmp_path_factory) -> dict[str, dict]:
     folder = tmp_path_factory.mktemp("architecture_layouts")
     mp.spawn(_rank_main, args=(free_port(), list(paths.values()), str(folder)), nprocs=2)
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
-    return {name: {"one": greedy(path, ParallelContext()),
+    return {name: {"one": greedy(path, ParallelContext()), "path": path,
                    **{layout: [ranks[r][path][layout] for r in range(2)] for layout in ("pp2", "tp2")}}
             for name, path in paths.items()}
 
@@ -157,10 +156,17 @@ def test_tp2_gives_the_tokens_of_one_process_or_stays_within_the_top5(runs, name
 
 @pytest.mark.parametrize("name", [name for name, _ in CHECKPOINTS])
 def test_each_rank_holds_the_bytes_and_issues_the_collectives_strata_plan_predicts(runs, name):
-    for layout in ("pp2", "tp2"):
-        for rank in runs[name][layout]:
-            assert rank["weight_bytes"] == rank["planned_bytes"]
-    for rank in runs[name]["tp2"]:
-        assert len(rank["collectives"]) == COUNTED_STEPS
-        for step in rank["collectives"]:
-            assert step["issued"] and Counter(map(tuple, step["issued"])) == Counter(map(tuple, step["planned"]))
+    """The plan (meta-device models, built here once rather than in every rank) against what the ranks did."""
+    from strata.plan import plan_layout, step_collectives
+
+    path = runs[name]["path"]
+    for layout, (tp, pp) in {"pp2": (1, 2), "tp2": (2, 1)}.items():
+        plans = plan_layout(engine_config(path, tp, pp))
+        assert [rank["weight_bytes"] for rank in runs[name][layout]] == [plan.param_bytes for plan in plans]
+    config = engine_config(path, 2, 1)
+    for rank, result in enumerate(runs[name]["tp2"]):
+        assert len(result["collectives"]) == COUNTED_STEPS
+        for step in result["collectives"]:
+            size = StepSize(num_tokens=step["num_tokens"], num_sampled=step["num_sampled"])
+            planned = Counter((c.kind, c.numel, str(c.dtype)) for c in step_collectives(config, rank, size))
+            assert step["issued"] and Counter(map(tuple, step["issued"])) == planned

@@ -29,12 +29,12 @@ MAX_TOKENS = 24
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_greedy_tokens_and_logprobs_match_transformers(arch_path, oracle, name, tied):
+def test_greedy_tokens_and_logprobs_match_transformers(arch_path, hf_outputs, name, tied):
     path = arch_path(name, tied)
-    assert_matches_transformers(strata_greedy(path, PROMPTS, MAX_TOKENS), oracle(path, PROMPTS, MAX_TOKENS))
+    assert_matches_transformers(strata_greedy(path, PROMPTS, MAX_TOKENS), hf_outputs(path, PROMPTS, MAX_TOKENS))
 
 
-def test_released_config_spellings_load_as_transformers_reads_them(arch_path, oracle, tmp_path):
+def test_released_config_spellings_load_as_transformers_reads_them(arch_path, hf_outputs, tmp_path):
     """Phi-3 releases: `rope_scaling` of type "su" and a top-level partial_rotary_factor; Qwen3-MoE releases:
     `num_experts` (transformers saves it as num_local_experts), here without renormalised top-k weights."""
     phi3 = make_arch(tmp_path / "phi3", "phi3", seed=2)
@@ -43,10 +43,10 @@ def test_released_config_spellings_load_as_transformers_reads_them(arch_path, or
     moe = make_arch(tmp_path / "qwen3_moe", "qwen3_moe", seed=3)
     edit_config(moe, num_local_experts=None, num_experts=4, norm_topk_prob=False)
     for path in (phi3, moe):
-        assert_matches_transformers(strata_greedy(path, PROMPTS[:2], 8), oracle(path, PROMPTS[:2], 8))
+        assert_matches_transformers(strata_greedy(path, PROMPTS[:2], 8), hf_outputs(path, PROMPTS[:2], 8))
 
 
-def test_qwen3_moe_experts_fused_into_3d_tensors_load_like_per_expert_ones(arch_path, oracle, tmp_path):
+def test_qwen3_moe_experts_fused_into_3d_tensors_load_like_per_expert_ones(arch_path, hf_outputs, tmp_path):
     """transformers 5 holds experts as gate_up_proj [E, 2I, H] and down_proj [E, H, I]; a checkpoint written from
     that state dict (not by save_pretrained, which splits them per expert) loads too."""
     from transformers import AutoModelForCausalLM
@@ -61,15 +61,15 @@ def test_qwen3_moe_experts_fused_into_3d_tensors_load_like_per_expert_ones(arch_
     save_file(state, str(fused / "model.safetensors"))
     for extra in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (fused / extra).write_text((source / extra).read_text())
-    assert_matches_transformers(strata_greedy(fused, PROMPTS[:2], 8), oracle(source, PROMPTS[:2], 8))
+    assert_matches_transformers(strata_greedy(fused, PROMPTS[:2], 8), hf_outputs(source, PROMPTS[:2], 8))
 
 
-def test_qwen3_moe_experts_int8_greedy_tokens_follow_the_top5_rule(arch_path, oracle):
+def test_qwen3_moe_experts_int8_greedy_tokens_follow_the_top5_rule(arch_path, hf_outputs):
     """Int8 experts change the logits a little: where the tokens first differ from transformers', each side's token
     is among the other's five most likely."""
     path = arch_path("qwen3_moe")
     outputs = strata_greedy(path, PROMPTS, MAX_TOKENS, quantization="experts_int8")
-    for out, want in zip(outputs, oracle(path, PROMPTS, MAX_TOKENS), strict=True):
+    for out, want in zip(outputs, hf_outputs(path, PROMPTS, MAX_TOKENS), strict=True):
         got = out.outputs[0]
         differ = [i for i, (a, b) in enumerate(zip(got.token_ids, want["tokens"], strict=True)) if a != b]
         if differ:

@@ -12,23 +12,23 @@ from arch_checkpoints import assert_matches_transformers, edit_config, random_pr
 ORIGINAL = 64  # original_max_position_embeddings of the phi3 checkpoint; max_position_embeddings is 256
 
 
-def test_long_factors_when_max_model_len_exceeds_the_original_length(arch_path, oracle):
+def test_long_factors_when_max_model_len_exceeds_the_original_length(arch_path, hf_outputs):
     path = arch_path("phi3")
     prompts = tuple(tuple(p) for p in random_prompts((70, 90), seed=7))  # transformers: long factors throughout
-    assert_matches_transformers(strata_greedy(path, prompts, 8, max_model_len=256), oracle(path, prompts, 8))
+    assert_matches_transformers(strata_greedy(path, prompts, 8, max_model_len=256), hf_outputs(path, prompts, 8))
 
 
-def test_a_sequence_crossing_the_original_length_keeps_the_factors_chosen_at_start(arch_path, oracle, tmp_path):
+def test_a_sequence_crossing_the_original_length_keeps_the_factors_chosen_at_start(arch_path, hf_outputs, tmp_path):
     path = arch_path("phi3")
     always_long = tmp_path / "always_long"
     shutil.copytree(path, always_long)
     rope = json.loads((path / "config.json").read_text())["rope_parameters"]
     edit_config(always_long, rope_parameters={**rope, "short_factor": rope["long_factor"]})
     prompts = tuple(tuple(p) for p in random_prompts((ORIGINAL - 6, 20), seed=8))
-    long = oracle(always_long, prompts, 12)
+    long = hf_outputs(always_long, prompts, 12)
     assert_matches_transformers(strata_greedy(path, prompts, 12, max_model_len=256), long)
     # A max_model_len within the original length keeps the short factors, as transformers does there; the two
     # choices give different tokens, so the comparisons tell them apart.
-    short = oracle(path, prompts[1:], 12)
+    short = hf_outputs(path, prompts[1:], 12)
     assert_matches_transformers(strata_greedy(path, prompts[1:], 12, max_model_len=ORIGINAL), short)
     assert short[0]["tokens"] != long[1]["tokens"]

@@ -173,3 +173,43 @@ def test_openapi_describes_request_and_response_bodies_and_errors(engine):
     assert set(components["ErrorInfo"]["properties"]) == {"message", "type", "param", "code"}
     assert schema["paths"]["/get_load"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/LoadResponse"}
+
+
+async def _request(app, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        return await c.request(method, path, json=body)
+
+
+def test_openapi_states_what_validation_enforces(engine, server_checkpoint):
+    import jsonschema
+
+    app = build_app(engine)
+    doc = asyncio.run(_get(app, "/openapi.json")).json()
+    vocab = json.loads((server_checkpoint / "config.json").read_text())["vocab_size"]
+    max_n = engine.config.scheduler.max_num_seqs
+
+    def documented(path: str, body: dict) -> bool:
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        return jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).is_valid(body)
+
+    refused = [("/v1/chat/completions", {"messages": []}), ("/invocations", {"messages": []}), ("/tokenize", {}),
+               ("/v1/completions", {"prompt": "hi", "top_k": -2}), ("/detokenize", {"tokens": [vocab]}),
+               ("/v1/completions", {"prompt": "hi", "n": max_n + 1}), ("/v1/completions", {"prompt": "hi", "top_p": 0}),
+               ("/v1/completions", {"prompt": [vocab]}), ("/v1/completions", {"prompt": "hi", "stream_options": {}})]
+    accepted = [("/detokenize", {"tokens": [0, vocab - 1]}), ("/tokenize", {"prompt": "hi"}),
+                ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+                ("/v1/completions", {"prompt": [vocab - 1], "top_k": -1, "n": max_n, "max_tokens": 1})]
+    for path, body in refused:
+        assert not documented(path, body), (path, body)
+        assert asyncio.run(_post(app, path, body)).status_code == 400, (path, body)
+    for path, body in accepted:
+        assert documented(path, body), (path, body)
+        assert asyncio.run(_post(app, path, body)).status_code == 200, (path, body)
+
+
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("TRACE", "/v1/completions", {"POST"}), ("PUT", "/health", {"GET"}), ("DELETE", "/tokenize", {"POST"})])
+def test_an_undeclared_method_is_405_naming_the_allowed_ones(engine, method, path, allowed):
+    response = asyncio.run(_request(build_app(engine), method, path))
+    assert response.status_code == 405 and response.json()["error"]["code"] == 405
+    assert {m.strip() for m in response.headers["allow"].split(",")} == allowed  # RFC 9110, 15.5.6

@@ -1,6 +1,10 @@
-"""Schemathesis generates requests from the app's own /openapi.json for every route: no answer may be a 5xx, and
-every answer must match the documented status codes, content types and schemas."""
+"""`schemathesis run --checks all` in process: every phase and every check schemathesis has, on requests it
+generates from the app's own /openapi.json for every route. No failure: no server error, answers as documented,
+schema-valid requests accepted, schema-violating ones refused, undeclared methods 405 with `Allow`."""
 from __future__ import annotations
+
+import argparse
+from collections import Counter
 
 import pytest
 
@@ -9,44 +13,57 @@ from strata.engine.async_engine import AsyncEngine
 from strata.server.app import build_app
 
 API_KEY = "fuzz-key"
-CASES_PER_ROUTE = 120  # routes without parameters take one case; the 5 POST routes give > 500
+MAX_MODEL_LEN = 256
+ROUTES = 11
+FUZZED_PER_ROUTE = 12  # random cases; the coverage phase adds its systematic ones: > 1,500 in all
 
 
 @pytest.fixture(scope="module")
 def app(server_checkpoint):
-    import argparse
-
-    config = EngineConfig.create(str(server_checkpoint), max_model_len=64, kv_cache_memory=1 << 20,
+    config = EngineConfig.create(str(server_checkpoint), max_model_len=MAX_MODEL_LEN, kv_cache_memory=4 << 20,
                                  max_num_seqs=8, served_model_name="fuzz")
     engine = AsyncEngine.from_config(config)
-    args = argparse.Namespace(api_key=API_KEY, disable_log_requests=True, max_request_bytes=1 << 16)
+    args = argparse.Namespace(api_key=API_KEY, disable_log_requests=True, max_request_bytes=1 << 20)
     yield build_app(engine, args)
     engine.shutdown()
 
 
-@pytest.mark.slow
-def test_generated_requests_get_no_server_error_and_schema_valid_answers(app):
+def _run_schemathesis(app) -> tuple[Counter, list[str]]:
+    """Cases per route and a line per failure or error, as `schemathesis run --checks all` would report them."""
+    import contract_hooks
     import schemathesis
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (
-        content_type_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
+    from schemathesis.config import SchemathesisConfig
+    from schemathesis.engine import events, from_schema
 
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 11
-    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-    calls = []
-    for operation in operations:
-        @settings(max_examples=CASES_PER_ROUTE, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(case=operation.as_strategy())
-        def run(case) -> None:
-            response = case.call_and_validate(checks=checks, headers={"Authorization": f"Bearer {API_KEY}"})
-            calls.append(response.status_code)
+    contract_hooks.max_prompt_bytes = MAX_MODEL_LEN - 32
+    contract_hooks.max_new_tokens = 2
+    config = SchemathesisConfig.from_dict({
+        "headers": {"Authorization": f"Bearer {API_KEY}"},
+        "generation": {"max-examples": FUZZED_PER_ROUTE, "deterministic": True, "database": "none"}})
+    config.projects.get_default().checks.update(included_check_names=["all"])
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
+    cases: Counter = Counter()
+    problems = []
+    for event in from_schema(schema).execute():
+        if isinstance(event, events.ScenarioFinished):
+            recorder = event.recorder
+            cases[recorder.label] += len(recorder.cases)
+            for case_id, checks in recorder.checks.items():
+                for check in checks:
+                    if check.failure_info is not None:
+                        case = recorder.cases[case_id].value
+                        problems.append(f"{event.phase.name} {recorder.label} {check.name}: "
+                                        f"{check.failure_info.failure.title}; body {str(case.body)[:300]}")
+        elif isinstance(event, events.NonFatalError):
+            problems.append(f"error in {event.label}: {event.info.format()[:500]}")
+        elif isinstance(event, events.FatalError):
+            problems.append(f"fatal: {event.exception}")
+    return cases, problems
 
-        run()
-    assert len(calls) >= 500
+
+@pytest.mark.slow
+def test_schemathesis_with_every_check_and_phase_finds_nothing(app):
+    cases, problems = _run_schemathesis(app)
+    assert not problems, "\n".join(problems[:20])
+    assert len(cases) == ROUTES and all(cases.values()), cases
+    assert sum(cases.values()) >= 1000, cases

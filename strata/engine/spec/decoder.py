@@ -6,10 +6,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from strata.config import EngineConfig, resolve_device
 from strata.engine.request import Request
+from strata.engine.spec.draft_model import DraftModelProposer
 from strata.engine.spec.ngram import NgramProposer
 from strata.engine.spec.suffix import SuffixProposer
-from strata.errors import ConfigError
 from strata.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -61,13 +62,13 @@ class SpecDecodeStats:
                 f"{self.num_accepted_tokens} accepted; by position {per_pos})")
 
 
-def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer:
+def make_proposer(config: SpeculativeConfig, target: EngineConfig
+                  ) -> NgramProposer | SuffixProposer | DraftModelProposer:
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixProposer(config)
-    raise ConfigError(f"speculative_config method {config.method!r} is not supported yet; use \"ngram\" or "
-                      "\"suffix\"", param="speculative_config.method")
+    return DraftModelProposer(config, target)
 
 
 def within_budget(proposals: dict[str, list[int]], budget: int) -> dict[str, list[int]]:
@@ -94,10 +95,10 @@ class SpeculativeDecoder:
     bound by reading the weights; past the step token budget every draft token costs compute, so drafts are cut
     (nearest positions kept) and vanish once the decodes alone fill the budget."""
 
-    def __init__(self, config: SpeculativeConfig, device_type: str) -> None:
+    def __init__(self, config: SpeculativeConfig, target: EngineConfig) -> None:
         self.config = config
-        self.proposer = make_proposer(config)
-        self.step_budget = config.step_token_budget(device_type)
+        self.proposer = make_proposer(config, target)
+        self.step_budget = config.step_token_budget(resolve_device(target.device).type)
         self.stats = SpecDecodeStats()
         self._logged = SpecDecodeStats()  # the counters at the last log line
         # Set by the engine for requests under a grammar: the draft cut before the first token the grammar refuses.
@@ -109,14 +110,17 @@ class SpeculativeDecoder:
         room = self.step_budget - len(decoding)
         if not decoding or room <= 0 or (disable is not None and num_running >= disable):
             return {}
+        # A verification step emits up to one token more than its drafts; their positions need KV slots.
+        limits = [min(self.config.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
+                      r.max_model_len - r.num_tokens) for r in decoding]
+        drafting = [(r, n) for r, n in zip(decoding, limits, strict=True) if n > 0]
+        if isinstance(self.proposer, DraftModelProposer):  # one batched draft pass per draft position
+            found = self.proposer.propose_many([r for r, _ in drafting], [min(n, room) for _, n in drafting])
+        else:
+            found = {r.request_id: self.proposer.propose(r, n)[:n] for r, n in drafting}
         proposals = {}
-        for request in decoding:
-            # A verification step emits up to one token more than its drafts; their positions need KV slots.
-            limit = min(self.config.num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1,
-                        request.max_model_len - request.num_tokens)
-            if limit <= 0:
-                continue
-            proposal = self.proposer.propose(request, limit)[:limit]
+        for request, _ in drafting:
+            proposal = found.get(request.request_id, [])
             if proposal and self.grammar_cut is not None:
                 proposal = self.grammar_cut(request, proposal)
             if proposal:

@@ -2,7 +2,8 @@
 `gguf_linear` (C kernels on CPU, strata/csrc/gguf_*.h) and per-row embedding lookups `embedding_rows`.
 
 A GGUF weight is a uint8 tensor [N, row_bytes], one row per output feature: K values as K / values_per_block blocks
-of bytes_per_block bytes, exactly as ggml stores them (spec: specs/gguf.md). Type numbers are ggml's."""
+of bytes_per_block bytes, exactly as ggml stores them (spec: specs/gguf.md). Its rows may be a view with a longer
+stride (a tensor-parallel shard of whole blocks of each row). Type numbers are ggml's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,9 +64,9 @@ def row_bytes(qtype: int, k: int) -> int:
 
 def _check_data(data: torch.Tensor, qtype: int, k: int) -> None:
     expected = row_bytes(qtype, k)
-    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != expected:
-        raise ConfigError(f"a {type_name(qtype)} weight of {k} values a row must be uint8 [N, {expected}], got "
-                          f"{data.dtype} {tuple(data.shape)}")
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != expected or data.stride(1) != 1:
+        raise ConfigError(f"a {type_name(qtype)} weight of {k} values a row must be uint8 [N, {expected}] with "
+                          f"contiguous rows, got {data.dtype} {tuple(data.shape)} strides {data.stride()}")
 
 
 def _f16(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

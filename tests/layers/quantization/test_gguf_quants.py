@@ -134,6 +134,20 @@ def test_gguf_linear_matches_x_times_gguf_dequantized_for_1_to_20_rows(qtype, th
             _assert_close_to(y, x.double().numpy() @ weight.T + bias.double().numpy(), f"k={k}, {m} rows")
 
 
+@pytest.mark.parametrize("qtype", (Q4_0, Q8_0, Q4_K, Q6_K), ids=NAMES.get)
+def test_a_shard_of_whole_blocks_of_each_row_multiplies_in_place(qtype):
+    """A row-parallel shard: columns of whole blocks, a view with the full rows' stride."""
+    per_block, nbytes = gp.SIZES[qtype]
+    data, weight = _rows(qtype, 10, 4 * per_block, seed=9)
+    shard = data[:, nbytes:3 * nbytes]
+    for m in (1, 5, gguf_quants.SMALL_BATCH + 1):
+        x = torch.randn(m, 2 * per_block)
+        y = gguf_quants.gguf_linear(x, shard, qtype, 2 * per_block)
+        _assert_close_to(y, x.double().numpy() @ weight[:, per_block:3 * per_block].T, f"{m} rows")
+    np.testing.assert_array_equal(gguf_quants.embedding_rows(shard, qtype, 2 * per_block, torch.tensor([9])).numpy(),
+                                  weight[[9], per_block:3 * per_block])
+
+
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=NAMES.get)
 def test_small_batch_kernel_and_gemm_each_match_at_every_row_count_they_may_serve(qtype):
     k = 512 if _block_values(qtype) == 256 else 224

@@ -1,0 +1,136 @@
+"""A stage's decoder layers on the CPU decode path: the step's shared description (rotary cos/sin, slots, the key
+ranges of each attention kind), each layer's blocks in one C call apiece, or the whole stack in one call.
+
+The per-layer calls still paid about 60 us a layer in Python (module calls, `serves`, tensors for each block's
+output), more after the layers' weights streamed through the caches and left Python's code cold: without tensor
+parallelism, and when every layer's feed-forward block is a SwiGLU MLP, all layers (and on the last stage the final
+norm) run in one call."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from strata.layers.attention import AttentionMetadata
+from strata.layers.decode_block import (
+    FusedDecodeLayer,
+    Plan,
+    _AttentionBlock,
+    _KeyRanges,
+    _kernels,
+    _library,
+    _MlpBlock,
+    _Step,
+    has_decode_blocks,
+    is_decode_step,
+)
+from strata.layers.norm import RMSNorm
+
+
+def step_description(meta: AttentionMetadata, windows: list, tokens: int, cos: torch.Tensor | None = None,
+                     sin: torch.Tensor | None = None) -> tuple[_Step, tuple]:
+    """A decode step's slots, rotary cos/sin (left for the callee when None) and the key ranges of each attention
+    kind in `windows`, as the C blocks read them, and what it points into."""
+    ranges, keep = [], [cos, sin, meta.slot_mapping]
+    for window, chunk in windows:
+        tables, first_keys, seq_lens = meta.decode_key_ranges(window, chunk)
+        ranges.append(_KeyRanges(max_blocks=tables.shape[1], block_tables=tables.data_ptr(),
+                                 first_keys=first_keys.data_ptr(), seq_lens=seq_lens.data_ptr()))
+        keep += [tables, first_keys, seq_lens]
+    array = (_KeyRanges * len(ranges))(*ranges)
+    keep.append(array)
+    step = _Step(tokens=tokens, cos=None if cos is None else cos.data_ptr(),
+                 sin=None if sin is None else sin.data_ptr(), ranges=ctypes.cast(array, ctypes.POINTER(_KeyRanges)),
+                 slots=meta.slot_mapping.data_ptr(), threads=torch.get_num_threads())
+    return step, tuple(keep)
+
+
+class FusedDecodeStack:
+    """The fused decode path of a stage's layers (those that describe their `decode_blocks`) and final norm."""
+
+    def __init__(self, layers: list[nn.Module], final_norm: nn.Module | None) -> None:
+        self.final_norm = final_norm
+        self.windows: list = []  # the (window, chunk) of every attention kind among the layers
+        self.fused = [FusedDecodeLayer(layer.decode_blocks(), self.windows) if has_decode_blocks(layer) else None
+                      for layer in layers]
+        self.enabled = bool(self.fused) and all(f is not None for f in self.fused)
+        self._arrays: tuple | None = None  # (plans, their blocks as C arrays, the widest plan, the fewest rows)
+
+    @property
+    def rotary(self):
+        return self.fused[0].blocks.rotary
+
+    def step_for(self, meta: AttentionMetadata, positions: torch.Tensor, tokens: int, widest: Plan) -> tuple:
+        """(the step's description, a scratch buffer for `widest`'s blocks), built once per step (kept with the
+        step's metadata, which every layer sees)."""
+        key = ("fused_decode", id(self))
+        cached = meta._masks.get(key)
+        need = widest.scratch_floats(tokens)
+        if cached is None or cached[1].numel() < need:
+            cos, sin = self.rotary._step_cos_sin(positions, torch.float32)
+            step, keep = step_description(meta, self.windows, tokens, cos, sin)
+            cached = (ctypes.byref(step), torch.empty(need, dtype=torch.float32), step, keep)
+            meta._masks[key] = cached
+        return cached[0], cached[1]
+
+    def layer(self, index: int, layer: nn.Module, positions: torch.Tensor, x: torch.Tensor,
+              residual: torch.Tensor | None, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index` of the stage: its blocks' C calls when they serve the step, else the layer's modules."""
+        fused = self.fused[index] if self.fused else None
+        if fused is None or not fused.serves(x, meta):
+            return layer(positions, x, residual, meta)
+        return fused(positions, x, residual, meta, self.step_for(meta, positions, x.shape[0], fused.plan))
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                 meta: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(output, residual) of the last layer, its output through the final norm when there is one (the residual
+        then spent), or None when the step takes the per-layer path."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            return None
+        blocks = self.blocks(x.shape[0], meta)
+        if blocks is None:
+            return None
+        attention, mlp, widest = blocks
+        step, scratch = self.step_for(meta, positions, x.shape[0], widest)
+        first = residual is None
+        if first:
+            residual = torch.empty_like(x)
+        hidden, out = torch.empty_like(x), torch.empty_like(x)
+        norm = self.final_norm
+        status = _library().decode_layers(_kernels(), attention, mlp, len(self.fused), step, x.data_ptr(),
+                                          residual.data_ptr(), int(first), scratch.data_ptr(), hidden.data_ptr(),
+                                          out.data_ptr(), None if norm is None else norm.weight.data_ptr(),
+                                          0.0 if norm is None else norm.eps)
+        if status:
+            raise MemoryError("decode layers could not allocate their scratch memory")
+        return (out, residual) if norm is None else (hidden, residual)
+
+    def blocks(self, rows: int, meta: object) -> tuple | None:
+        """(attention blocks, MLP blocks, the plan needing the most scratch) as C arrays for a decode step of `rows`
+        float32 CPU rows, or None when the step takes the per-layer path."""
+        if not self.enabled or not is_decode_step(meta, rows):
+            return None
+        arrays = self._arrays
+        if arrays is None or not all(p.current for p in arrays[0]):  # the first decode, or caches bound anew
+            plans = [f.plan if f.serves_rows(rows, meta) else None for f in self.fused]
+            if any(p is None for p in plans):
+                return None
+            self._arrays = arrays = self._describe(plans)
+            if arrays is None:
+                self.enabled = False
+                return None
+        return arrays[1:4] if rows <= arrays[4] else None
+
+    def _describe(self, plans: list[Plan]) -> tuple | None:
+        """The plans' blocks as C arrays, or None when the layers need the per-layer path (tensor parallelism's
+        all-reduces between blocks, or a feed-forward block run as modules)."""
+        if any(p.mlp is None for p in plans) or any(f.blocks.o_proj.pc.tp_size > 1 for f in self.fused):
+            return None
+        norm = self.final_norm
+        if norm is not None and (type(norm).forward is not RMSNorm.forward or norm.weight.dtype != torch.float32):
+            return None
+        attention = (_AttentionBlock * len(plans))(*(p.attention for p in plans))
+        mlp = (_MlpBlock * len(plans))(*(p.mlp for p in plans))
+        widest = max(plans, key=lambda p: p.scratch_floats(1))
+        return plans, attention, mlp, widest, min(p.max_rows for p in plans)

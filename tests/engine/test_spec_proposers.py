@@ -1,0 +1,105 @@
+"""Draft proposers against brute-force references: the n-gram lookup finds the latest longest earlier occurrence;
+the suffix tree counts every depth-limited occurrence of a string, through growth and removal; the suffix proposal
+follows the most frequent continuation and its length follows the match; the draft budget keeps nearest positions."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from strata.engine.request import Request
+from strata.engine.spec.decoder import within_budget
+from strata.engine.spec.ngram import continuation, latest_longest_match
+from strata.engine.spec.suffix import SuffixProposer
+from strata.engine.spec.suffix_tree import SuffixTree
+from strata.sampling_params import SamplingParams
+from strata.speculative_config import parse_speculative_config
+
+
+def brute_force_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1:end + 1] == suffix:
+                return n, end
+    return 0, -1
+
+
+def test_ngram_lookup_finds_the_latest_longest_earlier_occurrence():
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        low = rng.randrange(1, 4)
+        high = rng.randrange(low, 7)
+        assert latest_longest_match(np.array(tokens), low, high) == brute_force_match(tokens, low, high), tokens
+
+
+def test_ngram_continuation_repeats_a_pattern_that_overlaps_the_end():
+    tokens = np.array([9, 1, 2, 3, 1, 2, 3, 1, 2])
+    n, end = latest_longest_match(tokens, 1, 5)
+    assert (n, end) == (5, 5)
+    assert continuation(tokens, end + 1, 7) == [3, 1, 2, 3, 1, 2, 3]
+
+
+def occurrences(sequences: list[list[int]], s: list[int], depth: int) -> int:
+    """Suffixes (cut to `depth` tokens) that start with `s`."""
+    return sum(1 for seq in sequences for start in range(len(seq))
+               if len(s) <= depth and seq[start:start + len(s)] == s)
+
+
+def node_count(tree: SuffixTree, s: list[int]) -> int:
+    found = tree._match(s)
+    return 0 if found is None else found[0].count
+
+
+def test_suffix_tree_counts_every_occurrence_through_growth_and_removal():
+    rng = random.Random(1)
+    depth = 6
+    tree, live = SuffixTree(depth), {}
+    for step in range(60):
+        seq_id = rng.randrange(5)
+        if rng.random() < 0.15 and seq_id in live:
+            tree.remove(seq_id)
+            del live[seq_id]
+        else:
+            new = [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            tree.extend(seq_id, new)
+            live.setdefault(seq_id, []).extend(new)
+        for _ in range(20):
+            source = live[rng.choice(list(live))] if live else [0]
+            start = rng.randrange(len(source))
+            s = source[start:start + rng.randrange(1, depth + 1)]
+            assert node_count(tree, s) == occurrences(list(live.values()), s, depth), (step, s)
+
+
+def test_suffix_drafts_follow_the_most_frequent_continuation_as_far_as_the_match_supports():
+    tree = SuffixTree(8)
+    tree.extend("a", [1, 2, 3, 4, 5, 6])
+    tree.extend("b", [1, 2, 3, 4, 7, 8])
+    tree.extend("c", [1, 2, 3, 4, 5, 9])
+    # "2 3" matched (2 tokens, factor 1): at most 2 tokens, "4" then "5" (2 of the 3 continuations).
+    draft = tree.speculate([0, 2, 3], max_tokens=8, max_spec_factor=1.0, min_prob=0.1)
+    assert (draft.token_ids, draft.match_len) == ([4, 5], 2)
+    assert abs(draft.score - (1 + 2 / 3)) < 1e-9
+    # A longer match proposes more; a high minimum probability stops before the 2-in-3 branch.
+    assert tree.speculate([1, 2, 3], 8, 2.0, 0.1).token_ids == [4, 5, 6]
+    assert tree.speculate([1, 2, 3], 8, 2.0, 0.7).token_ids == [4]
+
+
+def test_the_suffix_proposer_drafts_from_other_requests_outputs():
+    config = parse_speculative_config({"method": "suffix", "num_speculative_tokens": 8})
+    proposer = SuffixProposer(config)
+    params = SamplingParams(max_tokens=50)
+    first = Request("first", [3, 4], params, 100)
+    first.token_ids += [10, 11, 12, 13, 14, 15, 16]
+    proposer.propose(first, 8)
+    proposer.finish(first)
+    second = Request("second", [5, 6, 10, 11, 12], params, 100)
+    assert proposer.propose(second, 8) == [13, 14, 15]  # three matched tokens: up to three drafted
+
+
+def test_the_draft_budget_keeps_every_requests_nearest_positions_first():
+    proposals = {"a": [1, 2, 3, 4], "b": [5], "c": [6, 7, 8]}
+    assert within_budget(proposals, 20) == proposals
+    assert within_budget(proposals, 6) == {"a": [1, 2, 3], "b": [5], "c": [6, 7]}
+    assert within_budget(proposals, 2) == {"a": [1], "b": [5]}
