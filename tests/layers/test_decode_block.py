@@ -9,8 +9,8 @@ from checkpoints import make_llama
 from strata import LLM, SamplingParams
 from strata.layers import decode_block
 from strata.layers.decode_block import FusedDecodeLayer
-from strata.layers.decode_stack import FusedDecodeStack
 from strata.layers.decode_forward import FusedDecodeForward
+from strata.layers.decode_stack import FusedDecodeStack
 
 PROMPTS = [{"prompt_token_ids": list(range(3 + i, 9 + 3 * i))} for i in range(3)]
 
