@@ -246,7 +246,7 @@ def _gguf_cut_by(tp: int, quant: GGUFQuantConfig, rows: dict[str, int], columns:
     """GGUF rows are cut only at whole blocks: a row-parallel layer's inputs per rank must hold whole blocks of the
     types its tensors are stored in (32 values, 256 for the K-quants)."""
     row_parallel = [t for name, t in quant.tensor_types.items() if name.endswith(_ROW_PARALLEL)]
-    block = max((gguf_types.check_type(t, "").block_values for t in row_parallel), default=1)
+    block = max((gguf_types.check_type(t, "").values_per_block for t in row_parallel), default=1)
     for name, size in rows.items():
         if tp > 1 and size % tp == 0 and (size // tp) % block:
             return (f"tensor_parallel_size={tp} splits {name}={size} into {size // tp} inputs per rank, which cuts "

@@ -1,7 +1,5 @@
 """Tiny GGUF files written as llama.cpp's converter writes them (metadata, a GPT-2 style tokenizer, q/k rows permuted
-for the llama architecture), from a random Hugging Face checkpoint, with tensors in any ggml type: `gguf` quantizes
-the 32-value types, the K-quants are packed here by hand (gguf-py cannot quantize them) and checked against
-`gguf.quants.dequantize`."""
+for the llama architecture), from a random Hugging Face checkpoint, with tensors in any ggml type (`gguf_packing`)."""
 from __future__ import annotations
 
 import json
@@ -9,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+from gguf_packing import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quantize  # noqa: F401
 
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -26,78 +23,6 @@ def gguf_name(hf: str) -> str:
     _, _, index, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"blk.{index}.{_LAYER[module]}.{kind}"
-
-
-def _fp16_bytes(values: np.ndarray) -> np.ndarray:
-    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
-def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    """Eight 6-bit scales and mins per super-block [B, 8] -> the packed 12 bytes [B, 12]."""
-    s = np.zeros((sc.shape[0], 12), dtype=np.uint8)
-    s[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
-    s[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
-    s[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
-    return s
-
-
-def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
-    """Q4_K / Q5_K blocks of rows of 256-value super-blocks: per 32 values a 6-bit scale and min."""
-    top = (1 << bits) - 1
-    sub = x.reshape(-1, 8, 32).astype(np.float64)
-    lo = np.maximum(-sub.min(axis=2), 0.0)
-    scale = (sub.max(axis=2) + lo) / top
-    d, dmin = scale.max(axis=1) / 63 + 1e-12, lo.max(axis=1) / 63 + 1e-12
-    d, dmin = d.astype(np.float16).astype(np.float64), dmin.astype(np.float16).astype(np.float64)
-    sc = np.clip(np.round(scale / d[:, None]), 1, 63).astype(np.uint8)
-    mn = np.clip(np.round(lo / dmin[:, None]), 0, 63).astype(np.uint8)
-    q = np.round((sub + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None])
-    q = np.clip(q, 0, top).astype(np.uint8)  # [B, 8, 32]
-    low = q & 15
-    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
-    parts = [_fp16_bytes(d), _fp16_bytes(dmin), _k_scales(sc, mn)]
-    if bits == 5:
-        high = (q >> 4) & 1  # bit j of qh[l]: the fifth bit of value l of sub-block j
-        qh = np.zeros((q.shape[0], 32), dtype=np.uint8)
-        for j in range(8):
-            qh |= (high[:, j, :] << j).astype(np.uint8)
-        parts.append(qh)
-    parts.append(qs)
-    return np.concatenate(parts, axis=1)
-
-
-def _q6_k(x: np.ndarray) -> np.ndarray:
-    """Q6_K blocks: 16 sub-blocks of 16 values with int8 scales, 6-bit values split into ql (4) and qh (2)."""
-    sub = x.reshape(-1, 16, 16).astype(np.float64)
-    scale = np.abs(sub).max(axis=2) / 31 + 1e-12
-    d = (np.abs(scale).max(axis=1) / 127).astype(np.float16).astype(np.float64) + 1e-12
-    sc = np.clip(np.round(scale / d[:, None]), 1, 127).astype(np.int8)
-    q = np.clip(np.round(sub / (d[:, None] * sc)[..., None]) + 32, 0, 63).astype(np.uint8).reshape(-1, 2, 128)
-    ql = np.zeros((q.shape[0], 2, 64), dtype=np.uint8)
-    qh = np.zeros((q.shape[0], 2, 32), dtype=np.uint8)
-    for part in range(4):  # value l + 32 * part of a half comes from ql[l (+32)] nibble and qh[l] bits 2*part
-        vals = q[:, :, 32 * part:32 * (part + 1)]
-        nib = vals & 15
-        ql[:, :, 32 * (part % 2):32 * (part % 2) + 32] |= nib << (4 * (part // 2))
-        qh |= ((vals >> 4) & 3) << (2 * part)
-    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _fp16_bytes(d)], axis=1)
-
-
-def quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
-    """Rows of x (float32 [N, K]) in `ggml_type`: uint8 [N, row bytes] (float32/float16 arrays for F32/F16)."""
-    import gguf
-
-    if ggml_type == F32:
-        return x.astype(np.float32)
-    if ggml_type == F16:
-        return x.astype(np.float16)
-    if ggml_type in (Q4_K, Q5_K, Q6_K):
-        blocks = _q6_k(x) if ggml_type == Q6_K else _q45_k(x, 4 if ggml_type == Q4_K else 5)
-        packed = blocks.reshape(x.shape[0], -1)
-        back = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType(ggml_type))
-        assert np.abs(back - x).max() <= np.abs(x).max() * 0.2, "hand-packed K-quant blocks are off"
-        return packed
-    return gguf.quants.quantize(x, gguf.GGMLQuantizationType(ggml_type))
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -127,7 +52,7 @@ def write_gguf(hf_folder: Path, path: Path, type_of, arch: str = "llama", split:
             w = _permute(w, heads if "q_proj" in name else kv_heads)
         target = gguf_name(name)
         kind = type_of(target, w.shape) if w.ndim == 2 else F32
-        tensors.append((target, quantize(w, kind), kind))
+        tensors.append((target, w.astype(np.float32) if w.ndim == 1 else quantize(w, kind), kind))
     paths = [path] if split == 1 else [path.with_name(f"{path.stem}-{i + 1:05d}-of-{split:05d}.gguf")
                                        for i in range(split)]
     per_part = -(-len(tensors) // split)

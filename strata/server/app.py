@@ -206,7 +206,8 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
                     [CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ModelList, LoadResponse,
                      VersionResponse, TokenizerInfo, TokenizeResponse, DetokenizeResponse],
-                    served_limits(engine, chat.tool_call_parser is not None))
+                    served_limits(engine, chat.tool_call_parser is not None),
+                    bearer_auth=bool(getattr(args, "api_key", None)))
     return app
 
 
@@ -245,7 +246,9 @@ def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics,
             chat_template=engine.config.chat_template or getattr(tokenizer, "chat_template", None),
             model_max_length=max_model_len, vocab_size=engine.config.model.vocab_size))
 
-    @app.post("/tokenize", **route_doc(TokenizeRequest, TokenizeResponse))
+    to_text = {"operationId": "detokenize", "requestBody": {"tokens": "$response.body#/tokens"},
+               "description": "the tokens back to text"}
+    @app.post("/tokenize", **route_doc(TokenizeRequest, TokenizeResponse, links={"Detokenize": to_text}))
     async def tokenize(request: Request) -> Response:
         body = await parse_body(request, TokenizeRequest)
         chat.check_model(body.model)
@@ -259,7 +262,7 @@ def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics,
         return json_response(TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids,
                                               token_strs=strs))
 
-    @app.post("/detokenize", **route_doc(DetokenizeRequest, DetokenizeResponse))
+    @app.post("/detokenize", operation_id="detokenize", **route_doc(DetokenizeRequest, DetokenizeResponse))
     async def detokenize(request: Request) -> Response:
         body = await parse_body(request, DetokenizeRequest)
         chat.check_model(body.model)

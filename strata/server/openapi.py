@@ -39,9 +39,10 @@ def _schema_of(annotation: Any) -> dict[str, Any]:
 
 
 def route_doc(request: Any, response: Any, *, auth: bool = False, stream: bool = False,
-              errors: tuple[int, ...] = (400, 404, 413, 503)) -> dict[str, Any]:
+              errors: tuple[int, ...] = (400, 404, 413, 503), links: dict[str, Any] | None = None) -> dict[str, Any]:
     """Keywords for a route decorator: its JSON body (`request`, a model or union), its 200 answer (a model, a
-    union, a media type string, or None for an empty body) and its error answers (all in ErrorResponse)."""
+    union, a media type string, or None for an empty body), its error answers (all in ErrorResponse) and the
+    OpenAPI links from its answer to other routes."""
     if isinstance(response, str):
         ok: dict[str, Any] = {"description": "OK", "content": {response: {"schema": {"type": "string"}}}}
     elif response is None:
@@ -53,6 +54,8 @@ def route_doc(request: Any, response: Any, *, auth: bool = False, stream: bool =
             event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
                      "description": _STREAM_DOC}
             ok["content"]["text/event-stream"] = {"schema": event}
+    if links:
+        ok["links"] = links
     codes = sorted({*errors, *((401,) if auth else ())})
     responses: dict[int | str, Any] = {200: ok}
     responses.update({code: {"description": _ERRORS[code], "model": ErrorResponse} for code in codes})
@@ -64,9 +67,10 @@ def route_doc(request: Any, response: Any, *, auth: bool = False, stream: bool =
 
 
 def install_openapi(app: FastAPI, requests: list[type[BaseModel]], answers: list[type[BaseModel]],
-                    limits: ServedLimits) -> None:
+                    limits: ServedLimits, bearer_auth: bool = False) -> None:
     """Make app.openapi() add the models the routes' docs refer to: `requests` as they validate (and as the
-    served model's limits and the server's rules between fields tighten them), `answers` as they serialize."""
+    served model's limits and the server's rules between fields tighten them), `answers` as they serialize;
+    with `bearer_auth` (--api-key), the routes that answer 401 ask for `Authorization: Bearer <key>`."""
 
     def build() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -77,6 +81,11 @@ def install_openapi(app: FastAPI, requests: list[type[BaseModel]], answers: list
                 for model in models:
                     _add_model(components, model, mode)
             add_request_contract(components, limits)
+            if bearer_auth:
+                schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+                for operation in (op for ops in schema["paths"].values() for op in ops.values()):
+                    if "401" in operation["responses"]:
+                        operation["security"] = [{"apiKey": []}]
             app.openapi_schema = schema
         return app.openapi_schema
 

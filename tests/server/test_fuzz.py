@@ -29,7 +29,8 @@ def app(server_checkpoint):
 
 
 def _run_schemathesis(app) -> tuple[Counter, list[str]]:
-    """Cases per route and a line per failure or error, as `schemathesis run --checks all` would report them."""
+    """Cases per (phase, route) and a line per failure or error, as `schemathesis run --checks all` would report
+    them."""
     import contract_hooks
     import schemathesis
     from schemathesis.config import SchemathesisConfig
@@ -47,7 +48,7 @@ def _run_schemathesis(app) -> tuple[Counter, list[str]]:
     for event in from_schema(schema).execute():
         if isinstance(event, events.ScenarioFinished):
             recorder = event.recorder
-            cases[recorder.label] += len(recorder.cases)
+            cases[event.phase.name, recorder.label] += len(recorder.cases)
             for case_id, checks in recorder.checks.items():
                 for check in checks:
                     if check.failure_info is not None:
@@ -65,5 +66,7 @@ def _run_schemathesis(app) -> tuple[Counter, list[str]]:
 def test_schemathesis_with_every_check_and_phase_finds_nothing(app):
     cases, problems = _run_schemathesis(app)
     assert not problems, "\n".join(problems[:20])
-    assert len(cases) == ROUTES and all(cases.values()), cases
+    for phase in ("COVERAGE", "FUZZING"):
+        assert len([n for (p, _), n in cases.items() if p == phase and n]) == ROUTES, cases
+    assert cases["STATEFUL_TESTING", "Stateful tests"], cases  # /tokenize's answer, linked to /detokenize
     assert sum(cases.values()) >= 1000, cases

@@ -49,10 +49,11 @@ class GGUFMethod:
             raise ValueError("expected a GGUF tensor in ggml blocks")
         block = types.check_type(tensor.ggml_type, self.name)
         start, size = _in_range(layer)
-        if start % block.block_values or size % block.block_values:
+        if start % block.values_per_block or size % block.values_per_block:
             raise ValueError(f"inputs {start}..{start + size} of this rank cut a {block.name} block of "
-                             f"{block.block_values} values")
-        first, width = start // block.block_values * block.block_bytes, size // block.block_values * block.block_bytes
+                             f"{block.values_per_block} values")
+        first = start // block.values_per_block * block.bytes_per_block
+        width = size // block.values_per_block * block.bytes_per_block
         data = tensor.data.reshape(-1, tensor.row_bytes)
         for offset, row, rows in _out_pieces(layer, shard_id):
             self.loaded.append(BlockWeight(offset, data[row:row + rows, first:first + width], tensor.ggml_type))

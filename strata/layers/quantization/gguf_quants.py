@@ -6,60 +6,34 @@ of bytes_per_block bytes, exactly as ggml stores them (spec: specs/gguf.md). Its
 stride (a tensor-parallel shard of whole blocks of each row). Type numbers are ggml's."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from strata.errors import ConfigError
+from strata.gguf.types import (  # noqa: F401 - the table, re-exported for the kernels' users
+    BF16,
+    F16,
+    F32,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    TYPES,
+    GGUFType,
+    check_type,
+    row_bytes,
+    type_name,
+)
 from strata.layers.quantization import cpu_matmul
-
-
-@dataclass(frozen=True)
-class GGUFType:
-    name: str
-    values_per_block: int
-    bytes_per_block: int
-
-
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
-TYPES: dict[int, GGUFType] = {
-    F32: GGUFType("F32", 1, 4), F16: GGUFType("F16", 1, 2), Q4_0: GGUFType("Q4_0", 32, 18),
-    Q4_1: GGUFType("Q4_1", 32, 20), Q5_0: GGUFType("Q5_0", 32, 22), Q5_1: GGUFType("Q5_1", 32, 24),
-    Q8_0: GGUFType("Q8_0", 32, 34), Q4_K: GGUFType("Q4_K", 256, 144), Q5_K: GGUFType("Q5_K", 256, 176),
-    Q6_K: GGUFType("Q6_K", 256, 210), BF16: GGUFType("BF16", 1, 2)}
-# ggml's names of the types strata refuses, for the message.
-_OTHER_NAMES = {4: "Q4_2", 5: "Q4_3", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS",
-                18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8",
-                25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
 
 # Rows of x up to which the small-batch kernel (each weight row read once for all of x) beats the GEMM (one Zen 3
 # core, [2048 x 4096]: at 12 rows even for most types, Q4_K 6.4 against 9.0 ms, Q6_K 10.3 against 10.3; at 16 the
 # GEMM wins but for the 4-bit types, Q6_K 11.3 against 13.5 ms, Q4_K 10.5 against 8.2).
 SMALL_BATCH = 12
-
-
-def type_name(qtype: int) -> str:
-    known = TYPES.get(qtype)
-    return known.name if known else _OTHER_NAMES.get(qtype, f"unknown type {qtype}")
-
-
-def check_type(qtype: int, name: str) -> GGUFType:
-    """The type's table entry, or a ConfigError naming the tensor and its type when strata cannot run it."""
-    known = TYPES.get(qtype)
-    if known is None:
-        supported = ", ".join(t.name for t in TYPES.values())
-        raise ConfigError(f"GGUF tensor {name!r} has type {type_name(qtype)} ({qtype}), which strata does not run; "
-                          f"supported types: {supported}. Use a file quantized to one of them (e.g. Q4_K_M, Q8_0).")
-    return known
-
-
-def row_bytes(qtype: int, k: int) -> int:
-    """Bytes of one row of k values; refuses k that is not a whole number of blocks."""
-    t = check_type(qtype, "weight")
-    if k <= 0 or k % t.values_per_block:
-        raise ConfigError(f"a {t.name} row holds whole blocks of {t.values_per_block} values, not {k}")
-    return k // t.values_per_block * t.bytes_per_block
 
 
 def _check_data(data: torch.Tensor, qtype: int, k: int) -> None:

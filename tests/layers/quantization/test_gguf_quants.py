@@ -5,20 +5,17 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import gguf_packing as gp  # noqa: E402
 import numpy as np
 import pytest
 import torch
+from gguf_packing import ALL_TYPES, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0  # noqa: E402
 
 from strata import native
 from strata.errors import ConfigError
 from strata.layers.quantization import cpu_matmul, gguf_quants
-
-sys.path.insert(0, str(Path(__file__).parent))
-import gguf_packing as gp  # noqa: E402
-from gguf_packing import ALL_TYPES, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0  # noqa: E402
 
 QUANTIZED = (gp.Q4_0, gp.Q4_1, Q5_0, gp.Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 NAMES = {t: gguf_quants.TYPES[t].name for t in ALL_TYPES}
