@@ -14,7 +14,20 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import make_llama  # noqa: E402
-from gguf_checkpoints import BF16, F16, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, write_gguf  # noqa: E402
+from gguf_checkpoints import (  # noqa: E402
+    BF16,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    types_by_prefix,
+    write_gguf,
+)
 
 # One thread: tests run beside servers and worker processes on 2 cores, where more threads than
 # free cores make every small op wait for a descheduled thread.
@@ -59,10 +72,6 @@ ALL_TYPES = {"blk.0.attn_q": F16, "blk.0.attn_k": BF16, "blk.0.attn_v": Q4_0, "b
              "blk.0.ffn_gate": Q5_0, "blk.0.ffn_up": Q5_1, "blk.0.ffn_down": Q8_0, "blk.1.attn_q": Q4_K,
              "blk.1.attn_k": Q4_K, "blk.1.attn_v": Q6_K, "blk.1.attn_output": Q5_K, "blk.1.ffn_gate": Q4_K,
              "blk.1.ffn_up": Q6_K, "blk.1.ffn_down": Q5_K, "token_embd": Q8_0, "output": Q6_K}
-
-
-def types_by_prefix(table: dict[str, int], default: int = Q8_0):
-    return lambda name, shape: next((t for prefix, t in table.items() if name.startswith(prefix + ".")), default)
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,11 @@ def gguf_name(hf: str) -> str:
     return f"blk.{index}.{_LAYER[module]}.{kind}"
 
 
+def types_by_prefix(table: dict[str, int], default: int = Q8_0):
+    """`write_gguf`'s `type_of`: the type of the first prefix of `table` a tensor's name starts with, else default."""
+    return lambda name, shape: next((t for prefix, t in table.items() if name.startswith(prefix + ".")), default)
+
+
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter: rotate-half rows of each head reordered into interleaved pairs."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -86,7 +91,7 @@ def _metadata(writer, config: dict, tok: dict, tok_config: dict, arch: str) -> N
     writer.add_vocab_size(config["vocab_size"])
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer.add_rope_dimension_count(head_dim)
-    if head_dim != config["hidden_size"] // heads:
+    if head_dim != config["hidden_size"] // heads or arch != "llama":  # llama.cpp's converter writes it for qwen3
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])

@@ -18,6 +18,7 @@ from strata.engine.state_cache import SlotPool
 from strata.errors import RequestError, StrataError
 from strata.executor.executor import create_executor
 from strata.executor.model_runner import RunnerOutput
+from strata.executor.step import SchedulerOutput
 from strata.multimodal.chat import ImagePromptProcessor, render_chat
 from strata.outputs import Logprob, PromptLogprobsChunk, RequestOutput
 from strata.reasoning import reasoning_parser
@@ -179,13 +180,16 @@ class Engine:
                 break
             if grammars is not None:
                 sched.grammar_bitmask = grammars.bitmask(sched)
-            self.in_flight.append((sched, self.executor.submit(sched)))
+            started = time.perf_counter()
+            self.in_flight.append((sched, self.executor.submit(sched), started))
         if not self.in_flight:
             if grammars is not None:
                 grammars.wait(0.01)
             return []
-        sched, handle = self.in_flight.popleft()
+        sched, handle, started = self.in_flight.popleft()
         result: RunnerOutput = self.executor.collect(handle)
+        if self.spec is not None:
+            self._time_step(sched, time.perf_counter() - started)
         self.stats["steps"] += 1
         changed = self.scheduler.update(sched, result.sampled)
         touched: dict[str, RequestGroup] = {}
@@ -203,6 +207,13 @@ class Engine:
         for request_id, error in failed:
             self.abort_request(request_id)
             self.failures.append((request_id, error))
+
+    def _time_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A decode or verification step's time, for the depth of later drafts (only while one step at a time is in
+        flight: with pipeline stages overlapping, a step's time is not its own)."""
+        if self.executor.max_concurrent_batches == 1 and all(
+                s.sample and len(s.token_ids) == s.num_draft_tokens + 1 for s in sched.requests):
+            self.spec.observe_step(sched.num_tokens, seconds)
 
     def _grammar_cut(self, request: Request, draft: list[int]) -> list[int]:
         """A draft cut before the first token the request's grammar refuses (unconstrained: the whole draft)."""

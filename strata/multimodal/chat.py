@@ -25,8 +25,8 @@ from strata.multimodal.llama4_image import (
 )
 from strata.tokenizer import apply_chat_template
 
-_TEXT_PARTS = {"text", "input_text"}
-_IMAGE_PARTS = {"image_url", "input_image", "image"}
+TEXT_PARTS = {"text", "input_text"}
+IMAGE_PARTS = {"image_url", "input_image", "image"}
 # A template that loops over a message's content renders content parts ({"type": "image"} included);
 # one that prints `message['content']` as a whole needs a string with the image placeholder in it.
 _ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content)")
@@ -138,9 +138,9 @@ def parse_message_content(messages: list[dict[str, Any]], parts_format: bool, mu
             for j, part in enumerate(content):
                 where = f"messages.{i}.content.{j}"
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind in _TEXT_PARTS:
+                if kind in TEXT_PARTS:
                     parts.append({"type": "text", "text": part.get("text") or ""})
-                elif kind in _IMAGE_PARTS:
+                elif kind in IMAGE_PARTS:
                     if not multimodal:
                         raise RequestError(f"{where} is an image, but this model is text-only and cannot read "
                                            "images; send text content only", param=where)

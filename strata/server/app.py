@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from strata import __version__
 from strata.engine.async_engine import AsyncEngine
 from strata.errors import AuthError, ConfigError, EngineDeadError, NotFoundError, RequestError, StrataError
-from strata.server.contract import ServedLimits
+from strata.server.contract import INVOCATIONS, ServedLimits
 from strata.server.gate import Gate, GateMiddleware, error_headers
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi import install_openapi, route_doc
@@ -191,8 +191,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
         return _answer(await chat.create(body, _disconnect_waiter(request)))
 
     @app.post("/invocations", dependencies=auth,
-              **route_doc(CompletionRequest | ChatCompletionRequest, CompletionResponse | ChatCompletionResponse,
-                          auth=True, stream=True))
+              **route_doc(INVOCATIONS, CompletionResponse | ChatCompletionResponse, auth=True, stream=True))
     async def invocations(request: Request) -> Response:
         """SageMaker's entry point: a chat body goes to chat, a completion body to completions."""
         try:

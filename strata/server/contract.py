@@ -7,15 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from strata.multimodal.chat import IMAGE_PARTS, TEXT_PARTS
 from strata.sampling_params import STRUCTURED_KINDS
 from strata.server.protocol import INT64_MAX
 from strata.structured.json_schema import ANNOTATIONS, ENFORCED, FORMATS, SUBSCHEMA_MAPS
 
 JsonSchema = dict[str, Any]
+INVOCATIONS = "InvocationsRequest"  # the component of /invocations' body
 _REF = "#/components/schemas/{name}"
 _NULL: JsonSchema = {"type": "null"}
-_TEXT_PARTS = ("text", "input_text")
-_IMAGE_PARTS = ("image_url", "input_image", "image")
+_TEXT_FORMAT: JsonSchema = {
+    "properties": {"response_format": {"anyOf": [_NULL, {"properties": {"type": {"const": "text"}}}]}},
+    "description": "response_format absent, null or text"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,10 @@ def add_request_contract(components: dict[str, JsonSchema], limits: ServedLimits
     detokenize = components["DetokenizeRequest"]
     detokenize["properties"]["model"] = _model_name(limits)
     detokenize["properties"]["tokens"] = _token_ids(limits, min_items=0, max_items=None)
+    components[INVOCATIONS] = {
+        "description": "SageMaker's entry point: a body with `messages` is a chat request, any other a completion",
+        "anyOf": [{"allOf": [{"$ref": _REF.format(name="CompletionRequest")}], "not": {"required": ["messages"]}},
+                  {"$ref": _REF.format(name="ChatCompletionRequest")}]}
 
 
 def json_schema_schema() -> JsonSchema:
@@ -95,10 +102,6 @@ def _all(*schemas: JsonSchema) -> JsonSchema:
     return {"allOf": list(schemas)}
 
 
-_TEXT_FORMAT = {"properties": {"response_format": {"anyOf": [_NULL, {"properties": {"type": {"const": "text"}}}]}},
-                "description": "response_format absent, null or text"}
-
-
 def _sampling_fields(schema: JsonSchema, limits: ServedLimits) -> None:
     props = schema["properties"]
     props["model"] = _model_name(limits)
@@ -122,11 +125,12 @@ def _sampling_fields(schema: JsonSchema, limits: ServedLimits) -> None:
 def _completion_fields(schema: JsonSchema, limits: ServedLimits) -> None:
     props = schema["properties"]
     text = {"type": "string", "minLength": 0 if limits.empty_text_has_tokens else 1}
-    ids = _token_ids(limits, min_items=1, max_items=limits.max_model_len - 1)
+    ids = _token_ids(limits, min_items=1, max_items=None)
     props["prompt"] = {"anyOf": [ids, {"type": "array", "minItems": 1, "items": ids}, text,
                                  {"type": "array", "minItems": 1, "items": text}],
-                       "description": "text, token ids, or a batch of either; it must leave the context "
-                                      f"({limits.max_model_len} tokens) at least one token to generate"}
+                       "description": "text, token ids, or a batch of either; after truncate_prompt_tokens, it "
+                                      f"must leave the context ({limits.max_model_len} tokens) a token to generate"}
+    fitting = {"type": "array", "maxItems": limits.max_model_len - 1}
     props["best_of"] = {"anyOf": [{"type": "integer", "const": 1}, _NULL],
                         "description": "1 or null: strata ranks no extra samples (use n for several)"}
     props["suffix"] = {"anyOf": [{"type": "string", "maxLength": 0}, _NULL], "description": "not supported"}
@@ -139,6 +143,11 @@ def _completion_fields(schema: JsonSchema, limits: ServedLimits) -> None:
         _either(_is("echo", True), _null_or("max_tokens", {"minimum": 1}),
                 description="max_tokens 0 (the prompt alone) needs echo"),
         _either(_absent("best_of"), _null_or("n", {"const": 1}), description="best_of 1 only with n 1"),
+        _either({"required": ["truncate_prompt_tokens"], "properties": {"truncate_prompt_tokens": {"not": _NULL}}},
+                {"properties": {"prompt": {"anyOf": [{"type": "string"}, {"items": {"type": "string"}},
+                                                     {**fitting, "items": {"type": ["integer", "array"]}},
+                                                     {"items": fitting}]}}},
+                description=f"token ids fit the context ({limits.max_model_len - 1} at most) unless truncated"),
     ])
 
 
@@ -172,7 +181,7 @@ def _chat_fields(schema: JsonSchema, limits: ServedLimits) -> None:
 
 
 def _content_part(schema: JsonSchema, limits: ServedLimits) -> None:
-    kinds = [*_TEXT_PARTS, *(_IMAGE_PARTS if limits.image_input else ())]
+    kinds = sorted(TEXT_PARTS) + (sorted(IMAGE_PARTS) if limits.image_input else [])
     schema["properties"]["type"] = {"type": "string", "enum": kinds,
                                     "description": "text parts" + (", image parts (image_url: a URL or "
                                                                     "{url})" if limits.image_input else

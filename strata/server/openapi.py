@@ -34,15 +34,16 @@ def _models(annotation: Any) -> list[type[BaseModel]]:
 
 
 def _schema_of(annotation: Any) -> dict[str, Any]:
-    refs = [{"$ref": _REF.format(model=m.__name__)} for m in _models(annotation)]
+    names = [annotation] if isinstance(annotation, str) else [m.__name__ for m in _models(annotation)]
+    refs = [{"$ref": _REF.format(model=name)} for name in names]
     return refs[0] if len(refs) == 1 else {"anyOf": refs}
 
 
 def route_doc(request: Any, response: Any, *, auth: bool = False, stream: bool = False,
               errors: tuple[int, ...] = (400, 404, 413, 503), links: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Keywords for a route decorator: its JSON body (`request`, a model or union), its 200 answer (a model, a
-    union, a media type string, or None for an empty body), its error answers (all in ErrorResponse) and the
-    OpenAPI links from its answer to other routes."""
+    """Keywords for a route decorator: its JSON body (`request`, a model, a union or a component's name), its
+    200 answer (a model, a union, a media type string, or None for an empty body), its error answers (all in
+    ErrorResponse) and the OpenAPI links from its answer to other routes."""
     if isinstance(response, str):
         ok: dict[str, Any] = {"description": "OK", "content": {response: {"schema": {"type": "string"}}}}
     elif response is None:

@@ -2,9 +2,12 @@
 a tied Q8_0 table looked up row by row and serving as the LM head, TP x PP layouts, and what `strata plan` counts."""
 from __future__ import annotations
 
+import pytest
 import torch
+from arch_checkpoints import make_arch
+from gguf_checkpoints import Q4_1, Q8_0, types_by_prefix, write_gguf
 from model_forward import strata_logits
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from strata import LLM, SamplingParams
 from strata.config import EngineConfig
@@ -80,3 +83,18 @@ def test_plan_counts_the_stored_blocks_of_each_rank(gguf_tied_q4_1):
     # Each rank holds half of every matrix (the tied table once); the F32 norms are replicated.
     norms = sum(e.nbytes for e in GGUFModel([gguf_tied_q4_1]).tensors.values() if len(e.shape) == 1)
     assert [r.param_bytes for r in ranks] == [(file_bytes - norms) // 2 + norms] * 2
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_files_give_transformers_tokens(arch, tmp_path):
+    """Qwen files (q/k/v biases, Qwen3's per-head q/k norms, rows not permuted) against transformers, which loads
+    the file's weights into the checkpoint's own config (its GGUF path would not read Qwen3's head_dim)."""
+    extra = {"head_dim": 32} if arch == "qwen3" else {"use_sliding_window": False}
+    hf = make_arch(tmp_path / "hf", arch, hidden_size=128, intermediate_size=256, **extra)
+    path = write_gguf(hf, tmp_path / f"{arch}.gguf", types_by_prefix({"blk.1": Q4_1}, Q8_0), arch=arch)[0]
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32,
+                                                     config=AutoConfig.from_pretrained(hf))
+    with LLM(str(path), device="cpu") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].token_ids == reference_greedy(reference, out.prompt_token_ids, 16)

@@ -15,7 +15,7 @@ from strata.server.app import build_app
 API_KEY = "fuzz-key"
 MAX_MODEL_LEN = 256
 ROUTES = 11
-FUZZED_PER_ROUTE = 12  # random cases; the coverage phase adds its systematic ones: > 1,500 in all
+FUZZED_PER_ROUTE = 10  # random cases; the coverage phase adds its systematic ones: > 1,500 in all
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from strata.config import EngineConfig, resolve_device
 from strata.engine.request import Request
+from strata.engine.spec.draft_length import DraftDepth
 from strata.engine.spec.draft_model import DraftModelProposer
 from strata.engine.spec.ngram import NgramProposer
 from strata.engine.spec.suffix import SuffixProposer
@@ -92,14 +93,16 @@ def within_budget(proposals: dict[str, list[int]], budget: int) -> dict[str, lis
 
 class SpeculativeDecoder:
     """Drafts for a step's decoding requests. A step with drafts stays about as cheap as a decode step while it is
-    bound by reading the weights; past the step token budget every draft token costs compute, so drafts are cut
-    (nearest positions kept) and vanish once the decodes alone fill the budget."""
+    bound by reading the weights; once it is bound by compute every draft token costs its share. So each step's
+    drafts go as deep as the measured step times and acceptance make worthwhile (DraftDepth), are cut to the step
+    token budget (nearest positions kept), and vanish once the decodes alone fill it."""
 
     def __init__(self, config: SpeculativeConfig, target: EngineConfig) -> None:
         self.config = config
         self.proposer = make_proposer(config, target)
         self.step_budget = config.step_token_budget(resolve_device(target.device).type)
         self.stats = SpecDecodeStats()
+        self.depth = DraftDepth()
         self._logged = SpecDecodeStats()  # the counters at the last log line
         # Set by the engine for requests under a grammar: the draft cut before the first token the grammar refuses.
         self.grammar_cut: Callable[[Request, list[int]], list[int]] | None = None
@@ -125,10 +128,16 @@ class SpeculativeDecoder:
                 proposal = self.grammar_cut(request, proposal)
             if proposal:
                 proposals[request.request_id] = proposal
-        return within_budget(proposals, room)
+        depth = self.depth.choose(len(decoding), [len(p) for p in proposals.values()])
+        return within_budget({r: p[:depth] for r, p in proposals.items() if depth}, room)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode or verification step's time (no prefill in it), for choosing later drafts' depth."""
+        self.depth.times.observe(num_tokens, seconds)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted)
+        self.depth.record(drafted, accepted)
 
     def interval_summary(self) -> str | None:
         """The log line of the drafts verified since the last call (None when there were none)."""
