@@ -69,6 +69,8 @@ def write_gguf(hf_folder: Path, path: Path, type_of, arch: str = "llama", split:
             writer.add_uint16("split.no", part)
             writer.add_uint16("split.count", split)
             writer.add_int32("split.tensors.count", len(tensors))
+        if part == 0 and _rope(config).get("rope_type") == "llama3":
+            writer.add_tensor("rope_freqs.weight", _llama3_freq_factors(config))
         for target, data, kind in tensors[part * per_part:(part + 1) * per_part]:
             writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType(kind))
         writer.write_header_to_file()
@@ -76,6 +78,31 @@ def write_gguf(hf_folder: Path, path: Path, type_of, arch: str = "llama", split:
         writer.write_tensors_to_file()
         writer.close()
     return paths
+
+
+def _rope(config: dict) -> dict:
+    return config.get("rope_scaling") or config.get("rope_parameters") or {}
+
+
+def _llama3_freq_factors(config: dict) -> np.ndarray:
+    """What llama.cpp's converter stores for Llama 3.1's rotary scaling: a divisor per rotary frequency."""
+    scaling, heads = _rope(config), config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    theta = config.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _metadata(writer, config: dict, tok: dict, tok_config: dict, arch: str) -> None:

@@ -91,6 +91,8 @@ def run_latency(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **engine_kwargs(args))
     try:
         latencies, per_token = measure(llm, prompts, args.output_len, args.num_iters_warmup, args.num_iters)
+        if llm.engine.spec is not None:  # --speculative-config: how the drafts fared
+            sys.stdout.write(llm.engine.spec.stats.summary() + "\n")
     finally:
         llm.shutdown()
     result = {"avg_latency": statistics.mean(latencies), "latencies": latencies, "batch_size": args.batch_size,

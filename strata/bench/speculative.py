@@ -74,7 +74,8 @@ def run_speculative(args: argparse.Namespace) -> int:
     baseline: dict[int, tuple[float, list[list[int]]]] = {}
     for method, config in methods.items():
         llm = LLM(args.model, speculative_config=config, **options)
-        prompts_by_level = {c: grounded_prompts(llm.get_tokenizer(), max(args.num_prompts, c), args.seed,
+        # Other prompts at each level: the suffix method's cache of earlier outputs must not recall a level's answers.
+        prompts_by_level = {c: grounded_prompts(llm.get_tokenizer(), max(args.num_prompts, c), args.seed + c,
                                                 args.max_input_len) for c in args.concurrency}
         run_concurrent(llm.engine, prompts_by_level[args.concurrency[0]][:1], 1, SamplingParams(max_tokens=4))
         for level in args.concurrency:
@@ -88,7 +89,7 @@ def run_speculative(args: argparse.Namespace) -> int:
                 stats = spec.stats.since(before)
                 row.update(acceptance_rate=stats.acceptance_rate, mean_acceptance_length=stats.mean_acceptance_length)
                 if getattr(spec.proposer, "forwards", 0):  # a draft model: what its passes cost
-                    row["draft_pass_ms"] = 1e3 * spec.proposer.forward_s / spec.proposer.forwards
+                    row["draft_pass_ms"] = 1e3 * spec.proposer.mean_pass_s
             if method == "none":
                 baseline[level] = (produced / elapsed, outputs)
             elif level in baseline:

@@ -49,6 +49,8 @@ def _bench_strata(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[f
     schema = _json_schema(getattr(args, "json_schema", None))
     if schema is None:
         elapsed, _ = _timed_run(llm, prompts, args.output_len, None)
+        if llm.engine.spec is not None:  # --speculative-config: how the drafts fared
+            sys.stdout.write(llm.engine.spec.stats.summary() + "\n")
         llm.shutdown()
         return elapsed, load_to_first_token
     constraint = StructuredOutputsParams(json=schema)

@@ -15,7 +15,7 @@ import torch
 from strata.config import EngineConfig
 from strata.distributed import IntermediateTensors, ParallelContext
 from strata.executor.step import GrammarBitmask, ScheduledRequest, SchedulerOutput
-from strata.executor.step_inputs import prepare_step
+from strata.executor.step_inputs import is_decode_rows, prepare_step
 from strata.host_memory import keep_freed_host_memory
 from strata.layers import cpu_attention
 from strata.layers.attention import Attention
@@ -185,7 +185,7 @@ class ModelRunner:
     def _begin_step(self, out: SchedulerOutput) -> list[ScheduledRequest]:
         """Update per-request state; the step's requests in the order the batch is laid out (decodes first)."""
         self._update_states(out)
-        return sorted(out.requests, key=lambda s: len(s.token_ids) != 1)
+        return sorted(out.requests, key=lambda s: not is_decode_rows(s))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
                  intermediate: IntermediateTensors | None, embeds: torch.Tensor | None

@@ -52,16 +52,17 @@ def _scan_chunks(query_start: np.ndarray, chunk_size: int) -> dict[str, np.ndarr
 
 def prepare_step(requests: Sequence[ScheduledRequest], block_size: int, device: torch.device, kernels: str,
                  with_mamba: bool, mm_inputs: list) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:
-    """(input_ids, positions, ForwardMeta) of one step; `requests` come decodes first."""
+    """(input_ids, positions, ForwardMeta) of one step; `requests` come decodes first (see `is_decode_rows`)."""
     triton = kernels == "triton"
-    nd = [len(s.token_ids) for s in requests].count(1)  # numpy's sum of a few values costs more
+    nd = sum(map(is_decode_rows, requests))  # decode requests: numpy's sum of a few values costs more
     if nd == len(requests) and not (triton or with_mamba):
         arrays = decode_arrays(requests, block_size)
     else:
         arrays = step_arrays(requests, block_size, nd, triton, with_mamba, scan_chunk_size(device))
     views = copy_to_device(arrays, device)
 
-    prefills, offset, start = [], 0, nd  # each decode is one row
+    decode_rows = sum(len(s.token_ids) for s in requests[:nd])
+    prefills, offset, start = [], 0, decode_rows  # each decode token is one row
     for s in requests[nd:]:
         end, context = start + len(s.token_ids), None
         if not triton and s.num_computed_tokens > 0:
@@ -70,7 +71,7 @@ def prepare_step(requests: Sequence[ScheduledRequest], block_size: int, device: 
             offset += seq_len
         prefills.append(PrefillChunk(start, end, s.num_computed_tokens, context))
         start = end
-    attn = AttentionMetadata(views["slot_mapping"], nd, views["decode_block_tables"], views["decode_seq_lens"],
+    attn = AttentionMetadata(views["slot_mapping"], decode_rows, views["decode_block_tables"], views["decode_seq_lens"],
                              prefills, block_size, kernels=kernels,
                              prefill_block_tables=views.get("prefill_block_tables"),
                              prefill_query_start=views.get("prefill_query_start"),
@@ -79,29 +80,39 @@ def prepare_step(requests: Sequence[ScheduledRequest], block_size: int, device: 
     return views["input_ids"], views["positions"], ForwardMeta(attn, mamba, mm_inputs, views["logits_indices"])
 
 
+def is_decode_rows(s: ScheduledRequest) -> bool:
+    """Whether a request's tokens are decode rows: one token, or a verification step's last token and drafts. A
+    draft at position p is a decode of context p + 1 through the request's block table; the step writes every
+    row's keys and values before attending, so a draft sees the ones before it."""
+    return len(s.token_ids) == 1 + s.num_draft_tokens
+
+
 def decode_arrays(requests: Sequence[ScheduledRequest], block_size: int) -> dict[str, np.ndarray]:
-    """`step_arrays` of a step of decodes only (one token each, plain-torch attention, no Mamba state), built with
-    a few Python and numpy calls: at batch 1 the general construction's two dozen numpy calls cost a CPU decode
-    step 0.3 ms once the weights had streamed through the caches."""
-    positions = [s.num_computed_tokens for s in requests]
+    """`step_arrays` of a step of decode rows only (plain-torch attention, no Mamba state), built with a few Python
+    and numpy calls: at batch 1 the general construction's two dozen numpy calls cost a CPU decode step 0.3 ms once
+    the weights had streamed through the caches."""
+    if any(s.num_draft_tokens for s in requests):  # a row per token: verified positions share their block table
+        rows = [(s, s.num_computed_tokens + j) for s in requests for j in range(len(s.token_ids))]
+    else:
+        rows = [(s, s.num_computed_tokens) for s in requests]
+    positions = [p for _, p in rows]
     width = -(-(max(positions) + 1) // block_size)  # blocks of the longest sequence
-    tables = np.zeros((len(requests), width), dtype=np.int64)
-    for i, s in enumerate(requests):
+    tables = np.zeros((len(rows), width), dtype=np.int64)
+    for i, (s, _) in enumerate(rows):
         ids = s.block_ids[:width]
         tables[i, :len(ids)] = ids
-    slots = [s.block_ids[p // block_size] * block_size + p % block_size
-             for s, p in zip(requests, positions, strict=True)]
+    slots = [s.block_ids[p // block_size] * block_size + p % block_size for s, p in rows]
     positions = np.array(positions, dtype=np.int64)
-    return {"input_ids": np.array([s.token_ids[0] for s in requests], dtype=np.int64), "positions": positions,
+    return {"input_ids": np.array([t for s in requests for t in s.token_ids], dtype=np.int64), "positions": positions,
             "slot_mapping": np.array(slots, dtype=np.int64), "decode_block_tables": tables,
             "decode_seq_lens": positions + 1,
-            "logits_indices": np.array([i for i, s in enumerate(requests) if s.sample], dtype=np.int64)}
+            "logits_indices": np.array([i for i, (s, _) in enumerate(rows) if s.sample], dtype=np.int64)}
 
 
 def step_arrays(requests: Sequence[ScheduledRequest], block_size: int, nd: int, triton: bool, with_mamba: bool,
                 chunk_size: int) -> dict[str, np.ndarray]:
     """The step's flat int64 arrays: tokens, positions, KV slots, block tables, and what prefills and Mamba layers
-    need; the first `nd` requests are decodes."""
+    need; the first `nd` requests are decode rows (one row per token, see `is_decode_rows`)."""
     lens = np.array([len(s.token_ids) for s in requests], dtype=np.int64)
     starts = np.array([s.num_computed_tokens for s in requests], dtype=np.int64)
     positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens, strict=True)])
@@ -115,8 +126,9 @@ def step_arrays(requests: Sequence[ScheduledRequest], block_size: int, nd: int, 
         "input_ids": np.fromiter((t for s in requests for t in s.token_ids), dtype=np.int64, count=int(lens.sum())),
         "positions": positions,
         "slot_mapping": slot_of(np.repeat(np.arange(len(requests)), lens), positions),
-        "decode_block_tables": tables[:nd, :-(-int(seq_lens[:nd].max(initial=0)) // block_size)],
-        "decode_seq_lens": seq_lens[:nd],
+        "decode_block_tables": tables[np.repeat(np.arange(nd), lens[:nd]),
+                                      :-(-int(seq_lens[:nd].max(initial=0)) // block_size)],
+        "decode_seq_lens": positions[:int(lens[:nd].sum())] + 1,
         "logits_indices": _logits_rows(requests, query_start),
     }
     continued = [i for i in range(nd, len(requests)) if starts[i] > 0]

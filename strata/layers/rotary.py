@@ -125,9 +125,17 @@ class RotaryEmbedding(nn.Module):
                 inv_freq = llama3_inv_freq(inv_freq, scaling)
             elif kind in ("longrope", "su"):
                 inv_freq, self.mscale = longrope_inv_freq(base, dim, scaling, max_model_len)
+            elif kind == "linear":  # positions divided by the factor: the same angles as frequencies divided
+                inv_freq = inv_freq / float(scaling["factor"])
+            elif kind == "freq_factors":  # a divisor per frequency, as GGUF files carry Llama 3.1's (rope_freqs)
+                factors = torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+                if factors.shape != inv_freq.shape:
+                    raise UnsupportedModelError(f"{len(factors)} rotary frequency factors for {len(inv_freq)} "
+                                                "frequencies", param="rope_scaling")
+                inv_freq = inv_freq / factors
             else:
                 raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: llama3, "
-                                            "longrope)", param="rope_scaling")
+                                            "longrope, linear)", param="rope_scaling")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # The step's positions and dtype, its cos/sin, and (once asked for) its half-split tables.
         self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -80,7 +80,9 @@ class Sampler:
             logits, argmax = mask_stop_tokens_before_min(logits, rows), None
         if all(r.params.greedy for r in rows):
             if argmax is not None and raw_logprobs is None:
-                return SamplerOutput(argmax.tolist(), [None] * len(rows))
+                tokens = argmax.tolist()
+                emitted = emitted_rows(rows, tokens) if any(r.draft is not None for r in rows) else None
+                return SamplerOutput(tokens, [None] * len(rows), emitted)
             tokens = greedy(logits) if argmax is None else torch.from_numpy(argmax)
         else:
             tokens = self._sample(logits, rows)

@@ -50,7 +50,7 @@ def add_request_contract(components: dict[str, JsonSchema], limits: ServedLimits
                   {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     detokenize = components["DetokenizeRequest"]
     detokenize["properties"]["model"] = _model_name(limits)
-    detokenize["properties"]["tokens"] = _token_ids(limits, min_items=0, max_items=None)
+    detokenize["properties"]["tokens"] = _token_ids(limits, min_items=0)
     components[INVOCATIONS] = {
         "description": "SageMaker's entry point: a body with `messages` is a chat request, any other a completion",
         "anyOf": [{"allOf": [{"$ref": _REF.format(name="CompletionRequest")}], "not": {"required": ["messages"]}},
@@ -72,12 +72,9 @@ def _model_name(limits: ServedLimits) -> JsonSchema:
             "description": "A served model name (GET /v1/models); empty or absent: the first. Others get 404."}
 
 
-def _token_ids(limits: ServedLimits, *, min_items: int, max_items: int | None) -> JsonSchema:
-    ids = {"type": "array", "minItems": min_items,
-           "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}
-    if max_items is not None:
-        ids["maxItems"] = max_items
-    return ids
+def _token_ids(limits: ServedLimits, *, min_items: int) -> JsonSchema:
+    return {"type": "array", "minItems": min_items,
+            "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}
 
 
 def _either(*alternatives: JsonSchema, description: str) -> JsonSchema:
@@ -125,12 +122,11 @@ def _sampling_fields(schema: JsonSchema, limits: ServedLimits) -> None:
 def _completion_fields(schema: JsonSchema, limits: ServedLimits) -> None:
     props = schema["properties"]
     text = {"type": "string", "minLength": 0 if limits.empty_text_has_tokens else 1}
-    ids = _token_ids(limits, min_items=1, max_items=None)
+    ids = _token_ids(limits, min_items=1)
     props["prompt"] = {"anyOf": [ids, {"type": "array", "minItems": 1, "items": ids}, text,
                                  {"type": "array", "minItems": 1, "items": text}],
                        "description": "text, token ids, or a batch of either; after truncate_prompt_tokens, it "
                                       f"must leave the context ({limits.max_model_len} tokens) a token to generate"}
-    fitting = {"type": "array", "maxItems": limits.max_model_len - 1}
     props["best_of"] = {"anyOf": [{"type": "integer", "const": 1}, _NULL],
                         "description": "1 or null: strata ranks no extra samples (use n for several)"}
     props["suffix"] = {"anyOf": [{"type": "string", "maxLength": 0}, _NULL], "description": "not supported"}
@@ -143,11 +139,6 @@ def _completion_fields(schema: JsonSchema, limits: ServedLimits) -> None:
         _either(_is("echo", True), _null_or("max_tokens", {"minimum": 1}),
                 description="max_tokens 0 (the prompt alone) needs echo"),
         _either(_absent("best_of"), _null_or("n", {"const": 1}), description="best_of 1 only with n 1"),
-        _either({"required": ["truncate_prompt_tokens"], "properties": {"truncate_prompt_tokens": {"not": _NULL}}},
-                {"properties": {"prompt": {"anyOf": [{"type": "string"}, {"items": {"type": "string"}},
-                                                     {**fitting, "items": {"type": ["integer", "array"]}},
-                                                     {"items": fitting}]}}},
-                description=f"token ids fit the context ({limits.max_model_len - 1} at most) unless truncated"),
     ])
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from strata.engine.request import Request
 from strata.engine.spec.decoder import within_budget
+from strata.engine.spec.draft_length import DraftDepth
 from strata.engine.spec.ngram import continuation, latest_longest_match
 from strata.engine.spec.suffix import SuffixProposer
 from strata.engine.spec.suffix_tree import SuffixTree
@@ -103,3 +104,34 @@ def test_the_draft_budget_keeps_every_requests_nearest_positions_first():
     assert within_budget(proposals, 20) == proposals
     assert within_budget(proposals, 6) == {"a": [1, 2, 3], "b": [5], "c": [6, 7]}
     assert within_budget(proposals, 2) == {"a": [1], "b": [5]}
+
+
+def depth_after(seconds_per_step, acceptance: float, lengths: list[int], num_decodes: int = 1) -> int:
+    """The depth DraftDepth picks once it measured steps of 1 to 17 tokens and drafts accepted at `acceptance`
+    per position (cumulative: a token is accepted only after all before it)."""
+    depth = DraftDepth()
+    for tokens in range(1, 18):
+        depth.times.observe(tokens, seconds_per_step(tokens))
+    for _ in range(200):
+        depth.record(8, 8)
+    for position in range(8):  # set the measured acceptance to acceptance ** (position + 1)
+        depth.accepted[position] = round(200 * acceptance ** (position + 1))
+    return depth.choose(num_decodes, lengths)
+
+
+def test_drafts_go_deep_while_steps_cost_the_same_and_vanish_once_every_token_costs_a_decode():
+    assert depth_after(lambda t: 0.05, 0.8, [8]) == 8  # bound by reading the weights: every draft is free
+    assert depth_after(lambda t: 0.05 * t, 0.8, [8]) == 0  # every token costs a decode step
+    # A decode at 50 ms and 20 ms a token more (as a busy 2-core CPU measured): a few drafts pay, not eight.
+    assert 2 <= depth_after(lambda t: 0.03 + 0.02 * t, 0.8, [8]) <= 5
+    assert depth_after(lambda t: 0.03 + 0.02 * t, 0.2, [8]) <= 1  # rarely accepted: hardly any
+
+
+def test_a_request_that_never_drafted_still_leaves_its_output_to_the_shared_tree():
+    proposer = SuffixProposer(parse_speculative_config({"method": "suffix", "num_speculative_tokens": 8}))
+    done = Request("done", [1, 2], SamplingParams(max_tokens=50), 100)
+    done.token_ids += [20, 21, 22, 23]
+    proposer.finish(done)  # finished while the steps were full: no tree of its prompt was built
+    assert proposer.local == {}
+    later = Request("later", [9, 20, 21], SamplingParams(max_tokens=50), 100)
+    assert proposer.propose(later, 8) == [22, 23]

@@ -140,3 +140,15 @@ def test_a_draft_model_with_another_vocabulary_is_refused(llama_gqa, tmp_path):
     with pytest.raises(ConfigError, match="does not share the target's tokenizer") as refused:
         LLM(str(llama_gqa), speculative_config={"model": str(other), "num_speculative_tokens": 2})
     assert refused.value.param == "speculative_config.model"
+
+
+def test_a_thinking_request_under_a_grammar_drafts_its_thinking_and_answers_as_without_drafts(thinking_llama):
+    """Drafts stop before the end of the thinking (the grammar starts after it), and the answer is masked."""
+    msgs = [{"role": "user", "content": "<think> quick brown fox</think> quick brown fox</think>"}]
+    params = SamplingParams(temperature=0, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex="(yes|no)!"))
+    want = LLM(str(thinking_llama), reasoning_parser="qwen3").chat(msgs, params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(thinking_llama), reasoning_parser="qwen3", speculative_config=NGRAM)
+    got = llm.chat(msgs, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.text.endswith("</think>no!")
+    assert llm.engine.spec.stats.num_accepted_tokens >= 3  # " quick brown fox" came from a draft

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from arch_checkpoints import make_arch
+from checkpoints import make_llama
 from gguf_checkpoints import Q4_1, Q8_0, types_by_prefix, write_gguf
 from model_forward import strata_logits
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -98,3 +99,20 @@ def test_qwen_gguf_files_give_transformers_tokens(arch, tmp_path):
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     for out in outs:
         assert out.outputs[0].token_ids == reference_greedy(reference, out.prompt_token_ids, 16)
+
+
+def test_llama3_rotary_scaling_from_rope_freqs_gives_transformers_tokens(tmp_path):
+    """Llama 3.1's rotary scaling reaches a GGUF file as a tensor of frequency divisors (rope_freqs), as
+    llama.cpp's converter writes it: the file must give the tokens transformers gives the checkpoint it came from
+    (a short original context, so most frequencies are scaled at these lengths)."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    hf = make_llama(tmp_path / "hf", hidden_size=128, intermediate_size=256, rope_scaling=scaling, seed=5)
+    path = write_gguf(hf, tmp_path / "llama31.gguf", types_by_prefix({}, Q8_0))[0]
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32,
+                                                     config=AutoConfig.from_pretrained(hf))
+    assert GGUFModel([path]).tensors.keys() >= {"rope_freqs.weight"}
+    with LLM(str(path), device="cpu") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].token_ids == reference_greedy(reference, out.prompt_token_ids, 48)

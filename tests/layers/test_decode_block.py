@@ -7,6 +7,7 @@ import torch
 from checkpoints import make_llama
 
 from strata import LLM, SamplingParams
+from strata import config as config_module
 from strata.layers import decode_block
 from strata.layers.decode_block import FusedDecodeLayer
 from strata.layers.decode_forward import FusedDecodeForward
@@ -87,10 +88,11 @@ def test_prefill_steps_and_batches_past_the_kernels_keep_the_modules_path(llama_
 
 
 def test_the_whole_step_reads_a_bfloat16_tied_table_and_grows_its_rotary_tables(tmp_path, monkeypatch):
-    """A bfloat16 checkpoint (float32 compute, weights kept in bfloat16) with a tied head and llama3 rope scaling,
-    decoding across position 256, where the rotary tables it looks up first end."""
+    """A bfloat16 checkpoint (float32 compute, weights kept in bfloat16, as on a CPU without native bfloat16) with a
+    tied head and llama3 rope scaling, decoding across position 256, where the rotary tables it looks up first end."""
     if decode_block._library() is None or decode_block._kernels() is None:
         pytest.skip("no C compiler")
+    monkeypatch.setattr(config_module, "cpu_has_native_bfloat16", lambda: False)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
     path = make_llama(tmp_path / "bf16", tied=True, dtype=torch.bfloat16, rope_scaling=scaling, num_layers=2)

@@ -92,9 +92,10 @@ def test_greedy_rows_accept_drafts_while_they_equal_the_argmax():
     params = SamplingParams(temperature=0)
     drafts = [best[0], best[1], (best[2] + 1) % 30]
     rows = [SamplingRow(params, None, [], [], d) for d in drafts] + [SamplingRow(params, None, [], [])]
-    out = Sampler(torch.Generator().manual_seed(0))(logits, rows)
-    assert out.token_ids == best
-    assert out.emitted == [True, True, True, False]
+    for argmax in (None, np.array(best)):  # computed here, or given by a whole-step decode path
+        out = Sampler(torch.Generator().manual_seed(0))(logits, rows, argmax=argmax)
+        assert out.token_ids == best
+        assert out.emitted == [True, True, True, False]
 
 
 def test_a_seeded_request_gets_the_same_tokens_with_or_without_drafts():

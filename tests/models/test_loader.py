@@ -66,7 +66,7 @@ def test_unknown_architecture_lists_the_supported_ones(llama_gqa, tmp_path):
 
 
 def test_not_a_checkpoint_folder_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match="no folder or file .*nothing.*not a Hub repo ID"):
         LLM(str(tmp_path / "nothing"))
 
 

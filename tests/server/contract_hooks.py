@@ -14,9 +14,9 @@ from typing import Any
 import schemathesis
 from schemathesis.generation.modes import GenerationMode
 
-# A positive case whose prompt text (its UTF-8 bytes: at least its tokens under a byte-level BPE) might not
-# leave the context a token to generate is left out.
-max_prompt_bytes: int | None = None
+# A positive case whose prompt might not leave the context a token to generate is left out: more token ids than
+# this, or more text (in UTF-8 bytes, at least its tokens under a byte-level BPE).
+max_prompt_tokens: int | None = None
 # Positive cases ask for at most this many new tokens (valid requests cost the test time token by token; the
 # limits of max_tokens are coverage cases of their own).
 max_new_tokens: int | None = None
@@ -63,9 +63,12 @@ def _make_tools_valid(body: dict[str, Any]) -> None:
         choice["function"]["name"] = _pick(tuple(names), choice["function"]["name"])
 
 
-def _prompt_bytes(body: dict[str, Any]) -> int:
-    """At least the longest prompt's tokens: every text that reaches it, plus the chat template's tags."""
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    """At least the longest prompt's tokens: its ids, or every text that reaches it plus the chat template's tags
+    (truncate_prompt_tokens aside)."""
     def size(value: Any) -> int:
+        if isinstance(value, list) and all(isinstance(t, int) for t in value):
+            return len(value)
         return len(json.dumps(value, ensure_ascii=False).encode())
 
     messages = body.get("messages")
@@ -73,8 +76,8 @@ def _prompt_bytes(body: dict[str, Any]) -> int:
         template = body.get("chat_template")
         return size(messages) + 8 * len(messages) + 16 + (size(template) if template else 0)
     prompt = body.get("prompt")
-    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else [prompt]
-    return max(size(p) for p in batch) if isinstance(batch[0], str) else 0
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+    return max(size(p) for p in batch) if isinstance(batch[0], str | list) else 0
 
 
 def _cap_new_tokens(body: dict[str, Any], cap: int) -> None:
@@ -93,7 +96,7 @@ def _positive(case: Any) -> bool:
 
 @schemathesis.hook
 def filter_case(context: Any, case: Any) -> bool:
-    return max_prompt_bytes is None or not _positive(case) or _prompt_bytes(case.body) <= max_prompt_bytes
+    return max_prompt_tokens is None or not _positive(case) or _prompt_tokens(case.body) <= max_prompt_tokens
 
 
 @schemathesis.hook

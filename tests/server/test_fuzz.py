@@ -36,7 +36,7 @@ def _run_schemathesis(app) -> tuple[Counter, list[str]]:
     from schemathesis.config import SchemathesisConfig
     from schemathesis.engine import events, from_schema
 
-    contract_hooks.max_prompt_bytes = MAX_MODEL_LEN - 32
+    contract_hooks.max_prompt_tokens = MAX_MODEL_LEN - 32
     contract_hooks.max_new_tokens = 2
     config = SchemathesisConfig.from_dict({
         "headers": {"Authorization": f"Bearer {API_KEY}"},

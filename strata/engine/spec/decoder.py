@@ -2,7 +2,6 @@
 budget), the proposer that makes them, and the acceptance counters behind the metrics and the log line."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,8 +12,6 @@ from strata.engine.spec.draft_model import DraftModelProposer
 from strata.engine.spec.ngram import NgramProposer
 from strata.engine.spec.suffix import SuffixProposer
 from strata.speculative_config import SpeculativeConfig
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -117,9 +114,13 @@ class SpeculativeDecoder:
         limits = [min(self.config.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
                       r.max_model_len - r.num_tokens) for r in decoding]
         drafting = [(r, n) for r, n in zip(decoding, limits, strict=True) if n > 0]
-        if isinstance(self.proposer, DraftModelProposer):  # one batched draft pass per draft position
-            found = self.proposer.propose_many([r for r, _ in drafting], [min(n, room) for _, n in drafting])
+        if isinstance(self.proposer, DraftModelProposer):
+            # Each draft position is a pass of the draft model: the depth is chosen before, counting its passes.
+            depth = self.depth.choose(len(decoding), [n for _, n in drafting], self.proposer.mean_pass_s)
+            found = self.proposer.propose_many([r for r, _ in drafting], [min(n, depth) for _, n in drafting]) \
+                if depth else {}
         else:
+            depth = None
             found = {r.request_id: self.proposer.propose(r, n)[:n] for r, n in drafting}
         proposals = {}
         for request, _ in drafting:
@@ -128,7 +129,8 @@ class SpeculativeDecoder:
                 proposal = self.grammar_cut(request, proposal)
             if proposal:
                 proposals[request.request_id] = proposal
-        depth = self.depth.choose(len(decoding), [len(p) for p in proposals.values()])
+        if depth is None:
+            depth = self.depth.choose(len(decoding), [len(p) for p in proposals.values()])
         return within_budget({r: p[:depth] for r, p in proposals.items() if depth}, room)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:

@@ -58,9 +58,10 @@ class DraftDepth:
         accepted = self.accepted[position] if position < len(self.accepted) else 0
         return (accepted + 1) / (drafted + 2)
 
-    def choose(self, num_decodes: int, lengths: list[int]) -> int:
+    def choose(self, num_decodes: int, lengths: list[int], seconds_per_depth: float = 0.0) -> int:
         """The draft depth (the most draft tokens per request) for a step of `num_decodes` decodes whose proposals
-        have `lengths`: every depth up to the longest is weighed, expected tokens over estimated seconds."""
+        have `lengths`: every depth up to the longest is weighed, expected tokens over estimated seconds (with
+        `seconds_per_depth` for each draft position, a draft model's pass)."""
         self._steps += 1
         deepest = max(lengths, default=0)
         if deepest == 0 or self._steps % _EXPLORE_EVERY == 0:
@@ -75,6 +76,7 @@ class DraftDepth:
             seconds = self.times.estimate(tokens)
             if seconds is None:  # not measured yet: keep every draft, and measure
                 return deepest
+            seconds += depth * seconds_per_depth
             if expected / seconds > best_rate:
                 best_depth, best_rate = depth, expected / seconds
         return best_depth

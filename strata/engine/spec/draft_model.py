@@ -69,6 +69,11 @@ class DraftModelProposer:
         logger.info("draft model %s loaded (%d KV blocks) in %.1f s", spec.model, num_blocks,
                     time.monotonic() - started)
 
+    @property
+    def mean_pass_s(self) -> float:
+        """Seconds a draft pass took on average (0 before the first)."""
+        return self.forward_s / self.forwards if self.forwards else 0.0
+
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         return self.propose_many([request], [max_tokens]).get(request.request_id, [])
 

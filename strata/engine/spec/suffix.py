@@ -32,11 +32,18 @@ class SuffixProposer:
         return draft.token_ids
 
     def finish(self, request: Request) -> None:
-        """The request's last tokens join the shared tree; its own tree goes."""
-        if request.request_id in self.local:
-            self._sync(request)
-            del self.local[request.request_id]
-            self.shared.end(request.request_id)
+        """The request's output joins the shared tree (the rest of it, or all of it when no draft was ever asked
+        for: while steps are full no request drafts, and none builds a tree of its prompt); its own tree goes."""
+        request_id = request.request_id
+        entry = self.local.pop(request_id, None)
+        if entry is None:
+            self._cache(request_id)
+            new = request.output_token_ids
+        else:
+            new = request.token_ids[entry[1][0]:]
+        if request_id in self.cached:
+            self.shared.extend(request_id, new)
+        self.shared.end(request_id)
 
     def _sync(self, request: Request) -> SuffixTree:
         """The request's tree, first built from its prompt; tokens generated since the last call join it (and the
