@@ -70,7 +70,8 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=0, help="tokens (or words) of a shared prefix before each prompt")
     p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (with --prefix-len)")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--tokenizer", default=None, help="checkpoint folder or Hub ID whose tokenizer builds the prompts")
+    p.add_argument("--tokenizer", default=None,
+                   help="checkpoint folder, Hub ID or GGUF file whose tokenizer builds the prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens (vLLM extension)")

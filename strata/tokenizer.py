@@ -22,13 +22,34 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
     try:
         if gguf_file is not None:
             gguf = Path(gguf_file)
-            return PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                           local_files_only=True)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                local_files_only=True)
+            _space_prefix_as_sentencepiece(tokenizer, gguf_file)
+            return tokenizer
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot load"
         where = gguf_file or path
         raise ConfigError(f"cannot load the tokenizer from {where!r}: {e}; pass a tokenizer folder or Hub ID with "
                           "--tokenizer", param="model") from e
+
+
+def _space_prefix_as_sentencepiece(tokenizer: Any, gguf_file: str) -> None:
+    """A SentencePiece-style GGUF vocabulary ("llama") prefixes every text, and every piece of text after a special
+    token, with a space, as sentencepiece and llama.cpp do (`tokenizer.ggml.add_space_prefix`, on by default), and as
+    Llama 2's own tokenizer.json does (a Prepend normalizer). transformers' rebuilt tokenizer prefixes only text that
+    does not start with a space already (a Metaspace pre-tokenizer): " a" lost a token."""
+    from tokenizers import normalizers
+
+    from strata.gguf.reader import read_metadata
+
+    metadata = read_metadata(gguf_file)
+    if metadata.get("tokenizer.ggml.model") != "llama":
+        return
+    spaces = normalizers.Replace(" ", "\u2581")
+    prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if prefix else spaces
+    backend.pre_tokenizer = None
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -35,9 +35,11 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_folder: Path, path: Path, type_of, arch: str = "llama", split: int = 1) -> list[Path]:
+def write_gguf(hf_folder: Path, path: Path, type_of, arch: str = "llama", split: int = 1,
+               spm_model: Path | None = None) -> list[Path]:
     """The checkpoint in `hf_folder` as a GGUF file (or `split` parts); `type_of(gguf_name, shape)` picks each
-    matrix's ggml type (vectors stay F32)."""
+    matrix's ggml type (vectors stay F32). With `spm_model`, a SentencePiece model file, the vocabulary is that
+    model's pieces with their scores and kinds, as llama.cpp's converter writes a Llama 2 style tokenizer."""
     import gguf
     from safetensors.torch import load_file
 
@@ -64,7 +66,7 @@ def write_gguf(hf_folder: Path, path: Path, type_of, arch: str = "llama", split:
     for part, out in enumerate(paths):
         writer = gguf.GGUFWriter(str(out), arch)
         if part == 0:
-            _metadata(writer, config, tok, tok_config, arch)
+            _metadata(writer, config, tok, tok_config, arch, spm_model)
         if split > 1:
             writer.add_uint16("split.no", part)
             writer.add_uint16("split.count", split)
@@ -105,7 +107,21 @@ def _llama3_freq_factors(config: dict) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def _metadata(writer, config: dict, tok: dict, tok_config: dict, arch: str) -> None:
+def _spm_vocabulary(writer, spm_model: Path) -> None:
+    """A SentencePiece model's pieces, scores and kinds (ggml: 1 normal, 2 unknown, 3 control, 6 byte)."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm_model))
+    ids = range(sp.get_piece_size())
+    kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in ids]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in ids])
+    writer.add_token_scores([sp.get_score(i) for i in ids])
+    writer.add_token_types(kinds)
+    writer.add_unk_token_id(sp.unk_id())
+
+
+def _metadata(writer, config: dict, tok: dict, tok_config: dict, arch: str, spm_model: Path | None = None) -> None:
     heads = config["num_attention_heads"]
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config.get("max_position_embeddings", 2048))
@@ -121,15 +137,18 @@ def _metadata(writer, config: dict, tok: dict, tok_config: dict, arch: str) -> N
     if head_dim != config["hidden_size"] // heads or arch != "llama":  # llama.cpp's converter writes it for qwen3
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    added = {t["id"]: t["content"] for t in tok["added_tokens"]}
-    tokens = [added.get(i, piece) for piece, i in vocab]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
-    merges = tok["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    if spm_model is not None:
+        _spm_vocabulary(writer, spm_model)
+    else:
+        vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+        added = {t["id"]: t["content"] for t in tok["added_tokens"]}
+        tokens = [added.get(i, piece) for piece, i in vocab]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+        merges = tok["model"]["merges"]
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     writer.add_bos_token_id(config.get("bos_token_id", 0))
     writer.add_eos_token_id(config.get("eos_token_id", 1))
     writer.add_add_bos_token(True)

@@ -47,8 +47,12 @@ def make_prompts(args: argparse.Namespace) -> list[tuple[str | list[int], int]]:
         from strata.model_source import resolve_tokenizer
         from strata.tokenizer import load_tokenizer
 
-        folder = resolve_tokenizer(args.tokenizer)  # a folder, or a Hub ID: its tokenizer files downloaded
-        tokenizer = load_tokenizer(folder)
+        if args.tokenizer.endswith(".gguf") and Path(args.tokenizer).is_file():  # the one a GGUF file describes
+            folder = str(Path(args.tokenizer).parent)
+            tokenizer = load_tokenizer(folder, gguf_file=args.tokenizer)
+        else:
+            folder = resolve_tokenizer(args.tokenizer)  # a folder, or a Hub ID: its tokenizer files downloaded
+            tokenizer = load_tokenizer(folder)
         special = set(tokenizer.all_special_ids)
         vocab = [t for t in range(_vocab_size(folder, tokenizer)) if t not in special]
         prefixes = [[rng.choice(vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]

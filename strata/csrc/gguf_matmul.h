@@ -17,15 +17,20 @@ static inline void prefetch_blocks(const uint8_t *row, int64_t b, int64_t bytes)
         __builtin_prefetch(row + line + PREFETCH_BYTES, 0, 3);
 }
 
+/* Rows of x per pass over a weight row: 8 lets a verification step of speculative decoding (k + 1 rows) dequantize
+   each run once for 8 rows (1-row passes: 8 dequantizations; 4-row passes: 2). */
+#define GGUF_MAX_MC 8
+
 #if USE_AVX2
 /* Row n of the weight against MC rows of x (stride k): y[m] = the row's dot product with x row m. One row of x
-   keeps four chains of sums (a run's four FMAs would otherwise wait on each other), more rows two each. */
+   keeps four chains of sums (a run's four FMAs would otherwise wait on each other), 2-4 rows two each, 8 rows one
+   (the registers hold no more). */
 static inline __attribute__((always_inline)) void gguf_row(const weights_t *w, int64_t n, const float *x,
                                                           const int KIND, const int MC, float *y) {
     const uint8_t *row = w->data + n * w->row_bytes;
     const int64_t per_block = gguf_block_values(KIND), bytes = gguf_block_bytes(KIND), blocks = w->k / per_block;
-    const int chains = MC == 1 ? 4 : 2;
-    __m256 total[MAX_MC][4];
+    const int chains = MC == 1 ? 4 : MC >= 8 ? 1 : 2;
+    __m256 total[GGUF_MAX_MC][4];
     for (int m = 0; m < MC; m++)
         for (int c = 0; c < chains; c++) total[m][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -42,18 +47,55 @@ static inline __attribute__((always_inline)) void gguf_row(const weights_t *w, i
         }
     }
     for (int m = 0; m < MC; m++) {
-        __m256 sum = _mm256_add_ps(total[m][0], total[m][1]);
+        __m256 sum = chains == 1 ? total[m][0] : _mm256_add_ps(total[m][0], total[m][1]);
         if (chains == 4) sum = _mm256_add_ps(sum, _mm256_add_ps(total[m][2], total[m][3]));
         y[m] = hsum(sum);
     }
 }
+
+#if USE_AVX512
+/* Two 8-float halves as one 16-float register (AVX-512F alone: insertf32x8 would need AVX-512DQ). */
+static inline __m512 join256(__m256 low, __m256 high) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high),
+                                               1));
+}
+
+/* Row n against 8 rows of x: each run dequantized once (gguf_run) and multiplied at AVX-512's width, which halves
+   the FMAs that bound this kernel once the dequantization is shared by 8 rows. */
+static inline __attribute__((always_inline)) void gguf_row8_512(const weights_t *w, int64_t n, const float *x,
+                                                               const int KIND, float *y) {
+    const uint8_t *row = w->data + n * w->row_bytes;
+    const int64_t per_block = gguf_block_values(KIND), bytes = gguf_block_bytes(KIND), blocks = w->k / per_block;
+    __m512 total[8];
+    for (int m = 0; m < 8; m++) total[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = row + b * bytes;
+        prefetch_blocks(row, b, bytes);
+        for (int j = 0; j < per_block / 32; j++) {
+            __m256 v[4];
+            gguf_run(KIND, block, j, v);
+            const __m512 lo = join256(v[0], v[1]), hi = join256(v[2], v[3]);
+            for (int m = 0; m < 8; m++) {
+                const float *xb = x + m * w->k + b * per_block + 32 * j;
+                total[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16),
+                                           _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), total[m]));
+            }
+        }
+    }
+    for (int m = 0; m < 8; m++) y[m] = _mm512_reduce_add_ps(total[m]);
+}
+#define GGUF_ROW8(KIND) gguf_row8_512(w, n, x, KIND, y)
+#else
+#define GGUF_ROW8(KIND) gguf_row(w, n, x, KIND, 8, y)
+#endif
 
 typedef void (*gguf_row_fn)(const weights_t *, int64_t, const float *, float *);
 #define DEFINE_GGUF_ROW(KIND, MC)                                                           \
     static void gguf_row_##KIND##_##MC(const weights_t *w, int64_t n, const float *x, float *y) { \
         gguf_row(w, n, x, KIND, MC, y);                                                     \
     }
-#define DEFINE_GGUF_ROWS(KIND) DEFINE_GGUF_ROW(KIND, 1) DEFINE_GGUF_ROW(KIND, 2) DEFINE_GGUF_ROW(KIND, 4)
+#define DEFINE_GGUF_ROWS(KIND) DEFINE_GGUF_ROW(KIND, 1) DEFINE_GGUF_ROW(KIND, 2) DEFINE_GGUF_ROW(KIND, 4) \
+    static void gguf_row_##KIND##_8(const weights_t *w, int64_t n, const float *x, float *y) { GGUF_ROW8(KIND); }
 DEFINE_GGUF_ROWS(KIND_Q4_0)
 DEFINE_GGUF_ROWS(KIND_Q4_1)
 DEFINE_GGUF_ROWS(KIND_Q5_0)
@@ -62,9 +104,10 @@ DEFINE_GGUF_ROWS(KIND_Q8_0)
 DEFINE_GGUF_ROWS(KIND_Q4_K)
 DEFINE_GGUF_ROWS(KIND_Q5_K)
 DEFINE_GGUF_ROWS(KIND_Q6_K)
-#define GGUF_ROWS_OF(KIND, MC) ((MC) == 4 ? gguf_row_##KIND##_4 : (MC) == 2 ? gguf_row_##KIND##_2 : gguf_row_##KIND##_1)
+#define GGUF_ROWS_OF(KIND, MC) ((MC) == 8 ? gguf_row_##KIND##_8 : (MC) == 4 ? gguf_row_##KIND##_4 \
+                                : (MC) == 2 ? gguf_row_##KIND##_2 : gguf_row_##KIND##_1)
 
-/* The kernel for a GGUF kind and a chunk of 1, 2 or 4 rows of x, each specialised at compile time. */
+/* The kernel for a GGUF kind and a chunk of 1, 2, 4 or 8 rows of x, each specialised at compile time. */
 static gguf_row_fn gguf_row_kernel(int kind, int mc) {
     switch (kind) {
     case KIND_Q4_0: return GGUF_ROWS_OF(KIND_Q4_0, mc);
@@ -95,16 +138,18 @@ static void gguf_row_portable(const weights_t *w, int64_t n, const float *x, int
 }
 #endif
 
-/* Rows n0..n1 of a GGUF weight against every row of x, up to MAX_MC rows of x per pass over a weight row. */
+/* Rows n0..n1 of a GGUF weight against every row of x, up to GGUF_MAX_MC rows of x per pass over a weight row
+   (8 on AVX2 CPUs; the portable kernel takes 4). */
 static void gguf_rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float *x, int64_t m_total,
                               const float *bias, float *out) {
     for (int64_t m0 = 0; m0 < m_total;) {
-        const int mc = m_total - m0 >= 4 ? 4 : m_total - m0 >= 2 ? 2 : 1;
+        const int64_t left = m_total - m0;
+        const int mc = left >= 8 && USE_AVX2 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 #if USE_AVX2
         const gguf_row_fn kernel = gguf_row_kernel(w->kind, mc);
 #endif
         for (int64_t n = n0; n < n1; n++) {
-            float y[MAX_MC];
+            float y[GGUF_MAX_MC];
 #if USE_AVX2
             kernel(w, n, x + m0 * w->k, y);
 #else

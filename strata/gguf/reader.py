@@ -105,6 +105,11 @@ def _read_header(path: str, part: int) -> tuple[dict[str, Any], list[TensorEntry
     return metadata, entries
 
 
+def read_metadata(path: str) -> dict[str, Any]:
+    """The metadata of one GGUF file (a split model's first part carries all of it), tensors not listed."""
+    return _read_header(str(path), 0)[0]
+
+
 class GGUFModel:
     """The metadata of a GGUF model (its first part's, which carries all of it) and the tensors of all its parts.
     Tensor bytes are memory-mapped: `raw(name)` is a read-only uint8 view, nothing is read until used."""

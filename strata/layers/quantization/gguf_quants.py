@@ -30,10 +30,10 @@ from strata.gguf.types import (  # noqa: F401 - the table, re-exported for the k
 )
 from strata.layers.quantization import cpu_matmul
 
-# Rows of x up to which the small-batch kernel (each weight row read once for all of x) beats the GEMM (one Zen 3
-# core, [2048 x 4096]: at 12 rows even for most types, Q4_K 6.4 against 9.0 ms, Q6_K 10.3 against 10.3; at 16 the
-# GEMM wins but for the 4-bit types, Q6_K 11.3 against 13.5 ms, Q4_K 10.5 against 8.2).
-SMALL_BATCH = 12
+# Rows of x up to which the small-batch kernel (each weight row read once for all of x, dequantized once per 8 rows)
+# beats the GEMM. Two Xeon (AVX-512) threads, [1536 x 768], microseconds small against GEMM: at 16 rows Q4_1 261 / 325,
+# Q8_0 245 / 293, Q6_K 343 / 370, Q4_K 399 / 325; at 24 rows even (404 / 387 ... 520 / 433).
+SMALL_BATCH = 16
 
 
 def _check_data(data: torch.Tensor, qtype: int, k: int) -> None:
