@@ -15,7 +15,7 @@ import torch
 from strata import model_registry as registry
 from strata.distributed import pp_partition
 from strata.engine_args import KERNELS, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
-from strata.errors import ConfigError
+from strata.errors import ConfigError, UnsupportedModelError
 from strata.gguf.config import hf_config as gguf_hf_config
 from strata.gguf.reader import GGUFModel
 from strata.gguf.weights import blocked_types
@@ -90,6 +90,19 @@ def resolve_kernels(kernels: str, device: str) -> str:
                           "the environment before starting (slow; for testing), or use kernels='torch'",
                           param="kernels")
     return kernels
+
+
+def kernels_for_model(option: str, resolved: str, text: HFConfig) -> str:
+    """The resolved kernels, or torch where the Triton ones would compute the model wrongly: they have no
+    attention-logit soft-capping (Gemma 2). `auto` falls back to torch; an explicit 'triton' is refused."""
+    if resolved != "triton" or not text.get("attn_logit_softcapping"):
+        return resolved
+    if option == "auto":
+        logger.info("attention-logit soft-capping runs on the plain-torch kernels (the Triton ones lack it)")
+        return "torch"
+    raise UnsupportedModelError("kernels='triton' cannot run this model: its attention soft-caps its logits "
+                                f"(attn_logit_softcapping={text.get('attn_logit_softcapping')}), which the Triton "
+                                "attention kernels do not implement; use kernels='torch' or 'auto'", param="kernels")
 
 
 def resolve_source(args: EngineArgs) -> ModelSource:
@@ -294,7 +307,8 @@ class EngineConfig:
         if speculative is not None:
             check_target(speculative, _architecture_name(model_config), hybrid, model_config.max_model_len)
         config = cls(model_config, parallel, cache, scheduler, args.device, args.seed, names, chat_template,
-                     resolve_kernels(args.kernels, args.device), structured, speculative)
+                     kernels_for_model(args.kernels, resolve_kernels(args.kernels, args.device),
+                                       model_config.text_config), structured, speculative)
         validate_parallel(config)
         return config
 

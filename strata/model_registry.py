@@ -41,6 +41,11 @@ _MODELS: dict[str, ModelInfo] = {
     "MistralForCausalLM": ModelInfo("strata.models.dense_decoder", "MistralForCausalLM"),
     "Phi3ForCausalLM": ModelInfo("strata.models.phi3", "Phi3ForCausalLM"),
     "GraniteForCausalLM": ModelInfo("strata.models.granite", "GraniteForCausalLM"),
+    "Gemma2ForCausalLM": ModelInfo("strata.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ModelInfo("strata.models.gemma", "Gemma3ForCausalLM"),
+    # The language model alone (text prompts): not multimodal here, so image inputs are refused up front.
+    "Gemma3ForConditionalGeneration": ModelInfo("strata.models.gemma", "Gemma3ForConditionalGeneration",
+                                                text_architecture="Gemma3ForCausalLM"),
     "Plamo2ForCausalLM": ModelInfo("strata.models.plamo2", "Plamo2ForCausalLM", is_hybrid=True),
 }
 

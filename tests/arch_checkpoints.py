@@ -38,12 +38,31 @@ ARCHITECTURES = {
 }
 
 
+GEMMA_WINDOW = 8
+# Gemma's own checkpoints (tests/models/test_gemma.py), kept apart: the fused CPU decode path does not serve them.
+# Soft caps small enough to bend these weights' scores and logits; query_pre_attn_scalar unlike head_dim; Gemma 3
+# with two global layers among four and distinct rotary bases (linear scaling on the global ones).
+GEMMA = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW, attn_logit_softcapping=1.5,
+                    final_logit_softcapping=4.0, num_hidden_layers=4)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=32, query_pre_attn_scalar=20, sliding_window=GEMMA_WINDOW, num_hidden_layers=4,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                        "rope_theta": 5000.0}})),
+}
+
+
 def make_arch(folder: Path, name: str, *, tied: bool = False, seed: int = 0, **overrides) -> Path:
     """A random `name` checkpoint saved by transformers (float32), with weights large enough that tokens differ
-    sharply, norms and biases away from their 1 / 0 defaults, and the shared tokenizer."""
+    sharply, norms and biases away from their 1 / 0 defaults (Gemma's norms, stored as offsets from one, away
+    from 0), and the shared tokenizer."""
     import transformers
 
-    config_class, model_class, extra = ARCHITECTURES[name]
+    config_class, model_class, extra = {**ARCHITECTURES, **GEMMA}[name]
+    norms = (-0.4, 0.4) if name in GEMMA else (0.6, 1.4)
     config = getattr(transformers, config_class)(**{**COMMON, **extra, "tie_word_embeddings": tied, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
@@ -52,7 +71,7 @@ def make_arch(folder: Path, name: str, *, tied: bool = False, seed: int = 0, **o
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
             elif "norm" in param_name:
-                p.uniform_(0.6, 1.4)
+                p.uniform_(*norms)
             else:  # biases
                 p.normal_(0, 0.3)
     folder.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.errors import UnsupportedModelError
 from strata.kernels.triton import attention as triton_attention
 from strata.layers import cpu_attention
 
@@ -132,13 +133,18 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, chunk
 
 
 class Attention(nn.Module):
-    """Multi-head attention over a paged cache of shape [num_blocks, block_size, kv_heads, head_dim]."""
+    """Multi-head attention over a paged cache of shape [num_blocks, block_size, kv_heads, head_dim].
+
+    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask and softmax. Neither SDPA
+    nor the C and Triton kernels know it, so a capped layer always attends through `_attend_capped`."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, chunk_size: int | None = None) -> None:
+                 sliding_window: int | None = None, chunk_size: int | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.chunk_size = scale, sliding_window, chunk_size
+        self.softcap = softcap
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
 
@@ -147,7 +153,8 @@ class Attention(nn.Module):
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
         if meta.kernels == "triton":
             return self._forward_triton(q, k, v, meta)
-        if not meta.prefills and k.dtype == self.k_cache.dtype and cpu_attention.available(q, self.k_cache) and \
+        if not meta.prefills and self.softcap is None and k.dtype == self.k_cache.dtype and \
+                cpu_attention.available(q, self.k_cache) and \
                 cpu_attention.rows_serve(k, v, meta.slot_mapping):  # a decode step: write and read in one call
             tables, first_keys, seq_lens = meta.decode_key_ranges(self.sliding_window, self.chunk_size)
             out = cpu_attention.paged_decode_attention(q, self.k_cache, self.v_cache, tables, first_keys, seq_lens,
@@ -168,6 +175,9 @@ class Attention(nn.Module):
                         ) -> torch.Tensor:
         """The Triton kernels: K/V written to the cache, then every decode and every prefill chunk read
         through the block tables in place (a chunk's own keys too), one launch each."""
+        if self.softcap is not None:  # start-up refuses this pairing; never return uncapped scores' output
+            raise UnsupportedModelError("the Triton attention kernels do not apply attention-logit soft-capping; "
+                                        "run this model with kernels='torch'", param="kernels")
         triton_attention.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out, nd = torch.empty_like(q), meta.num_decodes
         if nd:
@@ -183,11 +193,29 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool = False) -> torch.Tensor:
         """q: [B, Hq, Q, D], k/v: [B, Hkv, K, D]."""
+        if self.softcap is not None:
+            return self._attend_capped(q, k, v, mask, causal)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
                                               enable_gqa=self.num_heads != self.num_kv_heads)
 
+    def _attend_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       causal: bool) -> torch.Tensor:
+        """`_attend` with soft-capped scores, spelled out: the cap bends scores before the mask, which SDPA cannot
+        express. The softmax runs in float32 whatever the activations' dtype, as Gemma's reference does."""
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:  # the queries are the last Q of the K keys
+            queries, keys = scores.shape[-2], scores.shape[-1]
+            mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if cpu_attention.available(q, self.k_cache):
+        if self.softcap is None and cpu_attention.available(q, self.k_cache):
             tables, first_keys, seq_lens = meta.decode_key_ranges(self.sliding_window, self.chunk_size)
             return cpu_attention.paged_decode_attention(q, self.k_cache, self.v_cache, tables, first_keys,
                                                         seq_lens, self.scale)

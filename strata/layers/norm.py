@@ -70,3 +70,25 @@ class RMSNorm(nn.Module):
                             out.data_ptr(), None if summed is None else summed.data_ptr(), x.shape[0], x.shape[1],
                             self.eps, _DTYPES[x.dtype])
         return out if residual is None else (out, summed)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from one and the product taken in float32, rounded once
+    at the end (not the Llama order of rounding x first). Its own `forward`, so the C kernels (Llama's rounding, a
+    plain weight) and the fused decode path, which checks for RMSNorm's forward, never take it."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(hidden_size, eps, dtype)
+        nn.init.zeros_(self.weight)  # a fresh norm is the identity scale, as 1 + 0
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self.normalize(x)
+        x = x + residual
+        return self.normalize(x), x

@@ -67,6 +67,7 @@ class CausalLM(nn.Module):
     names: ClassVar[CheckpointNames] = CheckpointNames()
     stacked_params: loader.StackedMapping = []
     ignored_weights: ClassVar[tuple[str, ...]] = ()  # substrings of checkpoint names the model does not use
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm  # the final norm's (Gemma's weights are offsets from one)
 
     def __init__(self, config: ModelConfig, pc: ParallelContext,
                  layer_partition: tuple[int, ...] | None = None, checkpoint_prefix: str = "") -> None:
@@ -84,7 +85,7 @@ class CausalLM(nn.Module):
         self._place(names.layers, True, lambda: nn.ModuleList(
             self._on_stage(f"{names.layers}.{i}", self.start <= i < self.end, lambda i=i: self.make_layer(i))
             for i in range(args.num_layers)))
-        self._place(names.norm, pc.is_last_stage, lambda: RMSNorm(args.hidden_size, args.norm_eps, self.dtype))
+        self._place(names.norm, pc.is_last_stage, lambda: self.norm_class(args.hidden_size, args.norm_eps, self.dtype))
         self._place("lm_head", pc.is_last_stage, self._make_lm_head)
         if config.quant_config is not None:
             quantize_linears(self, config.quant_config, self.stacked_params, checkpoint_prefix)

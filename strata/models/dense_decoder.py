@@ -44,6 +44,7 @@ class DenseArgs(ModelArgs):
     windows: tuple[int | None, ...] = ()  # each layer's sliding window (keys a token sees, itself included)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     residual_multiplier: float = 1.0  # scales each block's output before it joins the residual stream
+    attn_softcap: float | None = None  # attention scores become cap * tanh(scores / cap) (Gemma 2)
 
     @staticmethod
     def attention(cfg: HFConfig, head_dim: int | None = None) -> dict[str, Any]:
@@ -135,18 +136,19 @@ class PreNormDecoderLayer(nn.Module):
 
 class DenseAttention(nn.Module):
     def __init__(self, a: DenseArgs, window: int | None, pc: ParallelContext, dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, norm: type[RMSNorm] = RMSNorm) -> None:
+        """`norm`: the class of the per-head q/k norms."""
         super().__init__()
         self.head_dim, self.output_scale = a.head_dim, a.residual_multiplier
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, pc, a.qkv_bias,
                                           dtype)
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, pc, a.o_bias, dtype=dtype)
-        self.q_norm = RMSNorm(a.head_dim, a.norm_eps, dtype) if a.qk_norm else None
-        self.k_norm = RMSNorm(a.head_dim, a.norm_eps, dtype) if a.qk_norm else None
+        self.q_norm = norm(a.head_dim, a.norm_eps, dtype) if a.qk_norm else None
+        self.k_norm = norm(a.head_dim, a.norm_eps, dtype) if a.qk_norm else None
         self.rotary = rotary  # one instance for all layers: its cos/sin tables are computed once per step
         scale = a.head_dim ** -0.5 if a.attention_scale is None else a.attention_scale
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, a.head_dim, scale,
-                              sliding_window=window)
+                              sliding_window=window, softcap=a.attn_softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(x))

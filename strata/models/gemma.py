@@ -1,0 +1,191 @@
+"""Gemma 2 and Gemma 3 (text): Llama's attention and gated MLP arranged as a "sandwich": every block's input and
+output are normalised (four RMSNorms a layer, each scaling by 1 + w), embeddings are scaled by sqrt(hidden), the MLP
+gates with tanh-approximated GELU and attention scales by query_pre_attn_scalar ** -0.5 rather than head_dim's.
+
+Local (sliding-window) and global layers alternate: one to one in Gemma 2, five to one in Gemma 3. Gemma 2 bends
+attention scores and final logits through cap * tanh(x / cap); Gemma 3 drops that for per-head q/k norms and gives
+its local layers their own rotary base. A Gemma 3 multimodal checkpoint runs here as its language model alone.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.config import HFConfig
+from strata.distributed import ParallelContext
+from strata.errors import UnsupportedModelError
+from strata.layers.attention import AttentionMetadata
+from strata.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from strata.layers.norm import GemmaRMSNorm
+from strata.layers.rotary import RotaryEmbedding, rope_parameters
+from strata.models.base import CausalLM, ModelArgs
+from strata.models.dense_decoder import QKV_GATE_UP, DenseArgs, DenseAttention
+
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmaArgs(DenseArgs):
+    final_softcap: float | None = None  # logits become cap * tanh(logits / cap)
+    local_rope_theta: float  # the rotary base (and scaling) of sliding-window layers
+    local_rope_scaling: dict[str, Any] | None = None
+
+    @staticmethod
+    def gemma(cfg: HFConfig, *, softcaps: tuple[float | None, float | None]) -> dict[str, Any]:
+        """The keys both generations read; `softcaps`: the (attention, final) caps when config.json omits them."""
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh")
+        if act not in _GELU_TANH:
+            raise UnsupportedModelError(f"hidden_activation {act!r} is not supported by Gemma models (their MLPs "
+                                        "gate with gelu_pytorch_tanh)", param="hidden_activation")
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("use_bidirectional_attention (an encoder's attention) is not supported; "
+                                        "strata serves causal language models", param="use_bidirectional_attention")
+        heads, bias = cfg.num_attention_heads, bool(cfg.get("attention_bias", False))
+        attn_cap, final_cap = (cfg.get(key, default) for key, default in
+                               zip(("attn_logit_softcapping", "final_logit_softcapping"), softcaps, strict=True))
+        return dict(**ModelArgs.common(cfg, tied=True), intermediate_size=cfg.intermediate_size, num_heads=heads,
+                    num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or 256,
+                    qkv_bias=bias, o_bias=bias,
+                    attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+                    attn_softcap=None if attn_cap is None else float(attn_cap),
+                    final_softcap=None if final_cap is None else float(final_cap))
+
+
+def layer_windows(cfg: HFConfig, sliding_every: int) -> tuple[int | None, ...]:
+    """Each layer's window: where `layer_types` marks it sliding or, without that list, on all layers but every
+    `sliding_every`-th (transformers' rule for configs written before layer_types)."""
+    window = cfg.get("sliding_window") or 4096
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % sliding_every == 0 else "sliding_attention"
+                                       for i in range(cfg.num_hidden_layers)]
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gemma2Args(GemmaArgs):
+    @classmethod
+    def from_hf(cls, cfg: HFConfig) -> Gemma2Args:
+        theta, scaling = rope_parameters(cfg)
+        return cls(**GemmaArgs.gemma(cfg, softcaps=(50.0, 30.0)), windows=layer_windows(cfg, 2), rope_theta=theta,
+                   rope_scaling=scaling, local_rope_theta=theta, local_rope_scaling=scaling)
+
+
+def gemma3_rope(cfg: HFConfig) -> dict[str, Any]:
+    """Global and local layers' rotary bases and scalings: transformers 5 nests them by layer type in
+    `rope_parameters`; older configs give rope_theta / rope_scaling (global) and rope_local_base_freq (local)."""
+    nested = cfg.get("rope_parameters") or {}
+    if "full_attention" in nested or "sliding_attention" in nested:
+        def of(kind: str) -> tuple[float, dict[str, Any] | None]:
+            return rope_parameters(HFConfig({"rope_parameters": nested.get(kind) or {},
+                                             "max_position_embeddings": cfg.get("max_position_embeddings")}))
+        (theta, scaling), (local, local_scaling) = of("full_attention"), of("sliding_attention")
+    else:
+        theta, scaling = rope_parameters(cfg)
+        local, local_scaling = cfg.get("rope_local_base_freq", 10000.0), None
+    return dict(rope_theta=theta, rope_scaling=scaling, local_rope_theta=local, local_rope_scaling=local_scaling)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gemma3Args(GemmaArgs):
+    @classmethod
+    def from_hf(cls, cfg: HFConfig) -> Gemma3Args:
+        every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        return cls(**GemmaArgs.gemma(cfg, softcaps=(None, None)), **gemma3_rope(cfg), qk_norm=True,
+                   windows=layer_windows(cfg, every))
+
+
+class GemmaMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up in one projection."""
+
+    def __init__(self, hidden: int, intermediate: int, pc: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, pc, False, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, pc, False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Normalised attention and MLP blocks, each normalised again before it joins the residual stream. No
+    `decode_blocks`: the CPU decode path knows neither the extra norms, their 1 + w weights nor the GELU gate."""
+
+    def __init__(self, a: GemmaArgs, index: int, pc: ParallelContext, dtype: torch.dtype,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DenseAttention(a, a.window(index), pc, dtype, rotary, norm=GemmaRMSNorm)
+        self.mlp = GemmaMLP(a.hidden_size, a.intermediate_size, pc, dtype)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            self.add_module(name, GemmaRMSNorm(a.hidden_size, a.norm_eps, dtype))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels as x + residual (x alone into the first layer), so that each pre-norm adds
+        the previous block's output as it normalises, and the final norm the last one's."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+
+class GemmaCausalLM(CausalLM):
+    args: GemmaArgs
+    stacked_params = QKV_GATE_UP
+    norm_class = GemmaRMSNorm
+    ignored_weights = ("rotary_emb.inv_freq",)
+
+    def make_layer(self, index: int) -> GemmaDecoderLayer:
+        return GemmaDecoderLayer(self.args, index, self.pc, self.dtype, self._rotary(self.args.window(index)))
+
+    def _rotary(self, window: int | None) -> RotaryEmbedding:
+        """One rotary embedding per kind of layer (local, global), shared by the layers of that kind so that its
+        cos/sin are computed once per step."""
+        a, local = self.args, window is not None
+        if not hasattr(self, "rotaries"):
+            self.rotaries: dict[bool, RotaryEmbedding] = {}
+        if local not in self.rotaries:
+            theta, scaling = (a.local_rope_theta, a.local_rope_scaling) if local else (a.rope_theta, a.rope_scaling)
+            self.rotaries[local] = RotaryEmbedding(a.head_dim, theta, scaling, max_model_len=self.max_model_len)
+        return self.rotaries[local]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().embed_input_ids(input_ids)
+        # The scale is rounded to the activations' dtype before multiplying, as the checkpoints were trained.
+        return x * torch.tensor(math.sqrt(self.args.hidden_size), dtype=x.dtype, device=x.device)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits, cap = super().compute_logits(hidden), self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class Gemma2ForCausalLM(GemmaCausalLM):
+    args_class = Gemma2Args
+
+
+class Gemma3ForCausalLM(GemmaCausalLM):
+    args_class = Gemma3Args
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """A Gemma 3 multimodal checkpoint's language model alone (text prompts only): its tensors renamed from the
+    checkpoint's nesting (transformers 5 `model.language_model.*`, older `language_model.model.*`), the vision
+    tower's and projector's skipped."""
+
+    ignored_weights = ("rotary_emb.inv_freq", "vision_tower.", "multi_modal_projector.")
+    _NESTINGS = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))
+
+    def rename_weight(self, name: str) -> str:
+        for nested, own in self._NESTINGS:
+            if name.startswith(nested):
+                return own + name[len(nested):]
+        return name

@@ -1,0 +1,235 @@
+"""Gemma 2 and Gemma 3 against transformers in float32: greedy tokens of `generate` and logprobs of full forward passes
+over prompts and outputs that run past the 8-token sliding windows; soft-capping (attention and final logits) that
+changes the result and is followed exactly; the config spellings each generation reads; a Gemma 3 multimodal
+checkpoint's language model; the fused CPU decode path and the Triton kernels never running soft-capped attention."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from arch_checkpoints import (
+    COMMON,
+    GEMMA,
+    GEMMA_WINDOW,
+    assert_matches_transformers,
+    edit_config,
+    make_arch,
+    random_prompts,
+    strata_greedy,
+)
+from checkpoints import write_tokenizer
+
+from strata.config import EngineConfig, HFConfig, kernels_for_model
+from strata.errors import UnsupportedModelError
+from strata.layers.decode_block import FusedDecodeLayer
+from strata.layers.decode_forward import FusedDecodeForward
+from strata.layers.decode_stack import FusedDecodeStack
+from strata.models.gemma import Gemma2Args, Gemma3Args
+
+PROMPTS = tuple(tuple(p) for p in random_prompts((5, 11, 24), seed=7))  # 5 + 16 tokens already pass the window
+MAX_TOKENS = 16
+
+
+def transformers_generate(path: Path, prompts, max_tokens: int, model_class: str = "AutoModelForCausalLM"
+                          ) -> list[dict]:
+    """transformers' `generate` (greedy, its KV cache, no stop token) and the log-softmax of a full forward pass
+    over prompt + output at every generated position."""
+    import transformers
+
+    model = getattr(transformers, model_class).from_pretrained(path, dtype=torch.float32).eval()
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([list(prompt)])
+            out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            tokens = out[0, len(prompt):].tolist()
+            logits = model(out[:, :-1]).logits[0, len(prompt) - 1:]
+            results.append({"tokens": tokens, "logprobs": torch.log_softmax(logits, dim=-1)})
+    return results
+
+
+@pytest.fixture(scope="module")
+def gemma_path(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma")
+
+    @functools.cache
+    def build(name: str, tied: bool = True) -> Path:
+        return make_arch(root / f"{name}{'_tied' if tied else ''}", name, tied=tied, seed=int(tied))
+
+    return build
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("name", sorted(GEMMA))
+def test_greedy_tokens_and_logprobs_match_transformers_generate(gemma_path, name, tied):
+    path = gemma_path(name, tied)
+    assert max(map(len, PROMPTS)) + MAX_TOKENS > 2 * GEMMA_WINDOW
+    assert_matches_transformers(strata_greedy(path, PROMPTS, MAX_TOKENS),
+                                transformers_generate(path, PROMPTS, MAX_TOKENS))
+
+
+def _max_logprob_gap(a: list, b: list) -> float:
+    """The largest difference between two runs' logprobs of the tokens both report."""
+    gaps = [abs(pa[t].logprob - pb[t].logprob) for oa, ob in zip(a, b, strict=True)
+            for pa, pb in zip(oa.outputs[0].logprobs, ob.outputs[0].logprobs, strict=True) for t in pa.keys() & pb]
+    return max(gaps)
+
+
+@pytest.mark.parametrize("caps", [dict(attn_logit_softcapping=None),
+                                  dict(final_logit_softcapping=None)], ids=["attention", "final"])
+def test_each_soft_cap_changes_the_result_and_is_followed(gemma_path, tmp_path, caps):
+    """Without one of its caps the checkpoint gives other logprobs (so the cap is doing something at these sizes),
+    and strata follows transformers both with and without it."""
+    capped = gemma_path("gemma2")
+    uncapped = make_arch(tmp_path / "uncapped", "gemma2", tied=True, seed=1, **caps)
+    prompts = PROMPTS[:2]
+    with_cap, without = strata_greedy(capped, prompts, 8), strata_greedy(uncapped, prompts, 8)
+    assert _max_logprob_gap(with_cap, without) > 0.05
+    assert_matches_transformers(with_cap, transformers_generate(capped, prompts, 8))
+    assert_matches_transformers(without, transformers_generate(uncapped, prompts, 8))
+
+
+def test_no_decode_step_takes_the_fused_cpu_path(gemma_path, monkeypatch):
+    """Neither the whole-step call, the stack's call nor a layer's blocks serve a Gemma decode step (the C blocks
+    know none of its norms or caps): every step runs the modules, which the tests above hold to transformers."""
+    served = []
+    for cls, method in ((FusedDecodeForward, "__call__"), (FusedDecodeStack, "__call__"),
+                        (FusedDecodeLayer, "__call__")):
+        original = getattr(cls, method)
+        monkeypatch.setattr(cls, method, lambda self, *a, _f=original: served.append(_f(self, *a)) or served[-1])
+    strata_greedy(gemma_path("gemma2"), PROMPTS[:2], 6)
+    assert served and all(s is None for s in served)  # asked every decode step, and declined each
+
+
+def test_a_soft_capped_attention_refuses_the_fused_cpu_path(tmp_path, monkeypatch):
+    """The guard itself: Mistral's layers take the fused path, until their attention is given a soft cap; then each
+    layer's description declines and the decode steps run the modules (capped, so the tokens change)."""
+    from strata import LLM, SamplingParams
+    from strata.layers import decode_block
+
+    if decode_block._library() is None or decode_block._kernels() is None:
+        pytest.skip("no C compiler")
+    path = make_arch(tmp_path / "mistral", "mistral")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS[:2]]
+    plans = []
+    original = decode_block.describe
+    monkeypatch.setattr(decode_block, "describe", lambda b, r: plans.append(original(b, r)) or plans[-1])
+    with LLM(str(path), device="cpu", dtype="float32", max_model_len=64, enable_prefix_caching=False) as llm:
+        llm.generate(prompts, params, use_tqdm=False)
+        assert plans and all(p is not None for p in plans)
+    plans.clear()
+    with LLM(str(path), device="cpu", dtype="float32", max_model_len=64, enable_prefix_caching=False) as llm:
+        for layer in llm.engine.executor.runner.model.model.layers:
+            layer.self_attn.attn.softcap = 0.5
+        llm.generate(prompts, params, use_tqdm=False)
+    assert plans and all(p is None for p in plans)
+
+
+def test_triton_kernels_refuse_soft_capped_attention_at_start_up(gemma_path, monkeypatch):
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("no triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(UnsupportedModelError, match="soft-caps"):
+        EngineConfig.create(str(gemma_path("gemma2")), kernels="triton", device="cpu", dtype="float32")
+    # Gemma 3 has no attention cap: Triton serves it; `auto` keeps soft-capped models on torch.
+    assert EngineConfig.create(str(gemma_path("gemma3")), kernels="triton", device="cpu").kernels == "triton"
+    assert kernels_for_model("auto", "triton", HFConfig({"attn_logit_softcapping": 50.0})) == "torch"
+
+
+def test_windows_follow_transformers_layer_types_and_patterns():
+    """Configs without layer_types: Gemma 2 slides on even layers, Gemma 3 on all but every sliding_window_pattern-th
+    (as transformers derives layer_types from them)."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    values = dict(COMMON, num_hidden_layers=7, sliding_window=GEMMA_WINDOW)
+    for config, args_class, extra in ((Gemma2Config(**values), Gemma2Args, {}),
+                                      (Gemma3TextConfig(**values, sliding_window_pattern=3), Gemma3Args,
+                                       dict(sliding_window_pattern=3))):
+        expected = tuple(GEMMA_WINDOW if kind == "sliding_attention" else None for kind in config.layer_types)
+        assert None in expected and GEMMA_WINDOW in expected
+        assert args_class.from_hf(HFConfig({**values, **extra})).windows == expected
+
+
+def test_gemma3_older_rope_keys_load_as_transformers_reads_them(tmp_path):
+    """Configs before transformers 5: rope_theta and rope_scaling for global layers, rope_local_base_freq for local
+    ones, a sliding_window_pattern instead of layer_types."""
+    path = make_arch(tmp_path / "old", "gemma3", seed=3)
+    edit_config(path, rope_parameters=None, layer_types=None, sliding_window_pattern=2, rope_theta=5000.0,
+                rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_local_base_freq=50.0)
+    args = Gemma3Args.from_hf(HFConfig(__import__("json").loads((path / "config.json").read_text())))
+    assert (args.rope_theta, args.local_rope_theta, args.rope_scaling["factor"]) == (5000.0, 50.0, 2.0)
+    assert args.windows == (GEMMA_WINDOW, None, GEMMA_WINDOW, None)
+    assert_matches_transformers(strata_greedy(path, PROMPTS[:2], 8), transformers_generate(path, PROMPTS[:2], 8))
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model_on_text(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (a tiny SigLIP tower beside the language model): text prompts
+    give transformers' tokens and logprobs of the whole model; the vision weights are skipped."""
+    import transformers
+
+    text = dict(COMMON, **GEMMA["gemma3"][2], tie_word_embeddings=True)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    image = COMMON["vocab_size"] + 5  # special tokens outside the vocabulary: no text token is one of them
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=image, boi_token_index=image + 1, eoi_token_index=image + 2)
+    torch.manual_seed(5)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif "norm" in name and "language_model" in name:
+                p.uniform_(-0.4, 0.4)
+    path = tmp_path / "gemma3_mm"
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path, COMMON["vocab_size"])
+    prompts = PROMPTS[:2]
+    assert_matches_transformers(strata_greedy(path, prompts, 8),
+                                transformers_generate(path, prompts, 8, "Gemma3ForConditionalGeneration"))
+
+
+
+@pytest.fixture(scope="module")
+def layouts(gemma_path, tmp_path_factory) -> dict[str, dict]:
+    """Both generations' greedy runs in one process and across two gloo ranks as PP=2 and as TP=2 (the machinery
+    of test_architecture_layouts: one pair of processes for all of them)."""
+    import json
+
+    import torch.multiprocessing as mp
+    from processes import free_port
+    from test_architecture_layouts import _rank_main, greedy
+
+    from strata.distributed import ParallelContext
+
+    paths = {name: str(gemma_path(name, tied)) for name, tied in (("gemma2", True), ("gemma3", False))}
+    folder = tmp_path_factory.mktemp("gemma_layouts")
+    mp.spawn(_rank_main, args=(free_port(), list(paths.values()), str(folder)), nprocs=2)
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+    return {name: {"one": greedy(path, ParallelContext()), "pp2": ranks[1][path]["pp2"],
+                   "tp2": ranks[0][path]["tp2"]} for name, path in paths.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(GEMMA))
+def test_pp2_and_tp2_give_the_tokens_of_one_process(layouts, name):
+    """PP=2 (the last stage samples): the same tokens, logprobs within 1e-5. TP=2: the same tokens or, where they
+    first differ, each side's token in the other's top 5, logprobs within 1e-4 before that."""
+    one, pp, tp = layouts[name]["one"], layouts[name]["pp2"], layouts[name]["tp2"]
+    assert pp["tokens"] == one["tokens"]
+    for got, want in zip(pp["logprobs"], one["logprobs"], strict=True):
+        for got_pos, want_pos in zip(got, want, strict=True):
+            assert got_pos.keys() == want_pos.keys()
+            assert max(abs(got_pos[t] - want_pos[t]) for t in want_pos) < 1e-5
+    for got, want, got_lp, want_lp in zip(tp["tokens"], one["tokens"], tp["logprobs"], one["logprobs"],
+                                          strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+        for got_pos, want_pos in zip(got_lp[:same], want_lp[:same], strict=True):
+            assert max(abs(got_pos[t] - lp) for t, lp in want_pos.items() if t in got_pos) < 1e-4
+        if same < len(want):
+            assert str(got[same]) in want_lp[same] and str(want[same]) in got_lp[same]
