@@ -163,7 +163,10 @@ class ModelRunner:
         if embeds is None and intermediate is None and all(s.sample for s in requests):
             decoded = self.model.decode_logits(input_ids, positions, meta)  # a CPU decode step in one C call
             if decoded is not None:
-                return self._sample(requests, *decoded, out.grammar_bitmask)
+                logits, argmax = decoded
+                if len(meta.logits_indices) != len(argmax):  # catch-up rows: only each request's last is sampled
+                    logits, argmax = logits[meta.logits_indices], argmax[meta.logits_indices.numpy()]
+                return self._sample(requests, logits, argmax, out.grammar_bitmask)
         hidden = self._forward(input_ids, positions, meta, intermediate, embeds)
         logits = self.model.compute_logits(hidden[meta.logits_indices]) if any(s.sample for s in requests) else None
         result = self._sample(requests, logits, None, out.grammar_bitmask)

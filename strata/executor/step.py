@@ -50,6 +50,9 @@ class ScheduledRequest:
     # Speculative decoding: the last `num_draft_tokens` of token_ids are draft tokens to verify; the step samples
     # a token at every position from the last known token on and keeps those the drafts lead to.
     num_draft_tokens: int = 0
+    # Tokens that continue a sequence a few at a time (a draft model catching up on verified tokens): laid out as
+    # decode rows like a verification step's, only the last row sampled.
+    catch_up: bool = False
 
     @property
     def draft_token_ids(self) -> list[int]:

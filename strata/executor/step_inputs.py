@@ -81,17 +81,17 @@ def prepare_step(requests: Sequence[ScheduledRequest], block_size: int, device: 
 
 
 def is_decode_rows(s: ScheduledRequest) -> bool:
-    """Whether a request's tokens are decode rows: one token, or a verification step's last token and drafts. A
-    draft at position p is a decode of context p + 1 through the request's block table; the step writes every
-    row's keys and values before attending, so a draft sees the ones before it."""
-    return len(s.token_ids) == 1 + s.num_draft_tokens
+    """Whether a request's tokens are decode rows: one token, a verification step's last token and drafts, or a
+    catch-up of a few tokens. A row at position p is a decode of context p + 1 through the request's block table;
+    the step writes every row's keys and values before attending, so a row sees the ones before it."""
+    return len(s.token_ids) == 1 + s.num_draft_tokens or s.catch_up
 
 
 def decode_arrays(requests: Sequence[ScheduledRequest], block_size: int) -> dict[str, np.ndarray]:
     """`step_arrays` of a step of decode rows only (plain-torch attention, no Mamba state), built with a few Python
     and numpy calls: at batch 1 the general construction's two dozen numpy calls cost a CPU decode step 0.3 ms once
     the weights had streamed through the caches."""
-    if any(s.num_draft_tokens for s in requests):  # a row per token: verified positions share their block table
+    if any(len(s.token_ids) > 1 for s in requests):  # a row per token: a request's rows share its block table
         rows = [(s, s.num_computed_tokens + j) for s in requests for j in range(len(s.token_ids))]
     else:
         rows = [(s, s.num_computed_tokens) for s in requests]
@@ -106,7 +106,18 @@ def decode_arrays(requests: Sequence[ScheduledRequest], block_size: int) -> dict
     return {"input_ids": np.array([t for s in requests for t in s.token_ids], dtype=np.int64), "positions": positions,
             "slot_mapping": np.array(slots, dtype=np.int64), "decode_block_tables": tables,
             "decode_seq_lens": positions + 1,
-            "logits_indices": np.array([i for i, (s, _) in enumerate(rows) if s.sample], dtype=np.int64)}
+            "logits_indices": _sampled_rows(requests)}
+
+
+def _sampled_rows(requests: Sequence[ScheduledRequest]) -> np.ndarray:
+    """The rows of a step of decode rows whose logits are sampled: each sampling request's last 1 + drafts."""
+    rows, start = [], 0
+    for s in requests:
+        end = start + len(s.token_ids)
+        if s.sample:
+            rows.extend(range(end - 1 - s.num_draft_tokens, end))
+        start = end
+    return np.array(rows, dtype=np.int64)
 
 
 def step_arrays(requests: Sequence[ScheduledRequest], block_size: int, nd: int, triton: bool, with_mamba: bool,

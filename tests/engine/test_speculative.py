@@ -133,6 +133,31 @@ def test_a_draft_model_gives_the_same_tokens_and_a_copy_of_the_target_drafts_the
                                                                                               use_tqdm=False))
 
 
+def test_a_draft_models_catch_up_on_verified_tokens_runs_as_decode_rows(llama_gqa, plain, monkeypatch):
+    """After a verification the draft feeds its last draft token and the bonus token (more after a rejection): those
+    few tokens are decode rows of the draft's step (its decode kernels), not a prefill chunk, and change nothing."""
+    from strata.executor import model_runner
+
+    steps = []  # per step with a catch-up: (requests, tokens, decode rows)
+    real = model_runner.prepare_step
+
+    def spy(requests, *args, **kwargs):
+        input_ids, positions, meta = real(requests, *args, **kwargs)
+        if any(s.catch_up for s in requests):
+            steps.append((len(requests), len(input_ids), meta.attn.num_decodes))
+        return input_ids, positions, meta
+
+    monkeypatch.setattr(model_runner, "prepare_step", spy)
+    llm = LLM(str(llama_gqa), max_model_len=256, speculative_config={"model": str(llama_gqa),
+                                                                      "num_speculative_tokens": 3})
+    # Greedy: a copy of the target has every draft accepted (a 2-token catch-up each time); seeded: rejections.
+    for params in [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                   *[SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(2)]]:
+        assert tokens(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == \
+            tokens(plain.generate(PROMPTS[:2], params, use_tqdm=False))
+    assert any(n > requests for requests, n, _ in steps) and all(n == rows for _, n, rows in steps)
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(llama_gqa, tmp_path):
     from checkpoints import make_llama
 

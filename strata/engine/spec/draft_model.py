@@ -23,6 +23,7 @@ from strata.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 _GREEDY = SamplingParams(temperature=0)
+_CATCH_UP_ROWS = 16  # the most tokens of a catch-up pass laid out as decode rows (a decode step's kernels' limit)
 
 
 def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> EngineConfig:
@@ -126,8 +127,11 @@ class DraftModelProposer:
             new = None
             if not shadow.known_to_workers:
                 new, shadow.known_to_workers = NewRequestData(_GREEDY, shadow.prompt_token_ids), True
+            # Past the prompt, the tokens verified since the last pass (a few) run as decode rows, not as a prefill
+            # chunk attending its gathered context: at a 135-token context such a pass took 19-22 ms against 7.
             scheduled.append(ScheduledRequest(shadow.request_id, shadow.token_ids[start:], start,
-                                              list(shadow.block_ids), True, new=new))
+                                              list(shadow.block_ids), True, new=new,
+                                              catch_up=0 < start and n <= _CATCH_UP_ROWS))
             shadow.num_computed_tokens += n
         step = SchedulerOutput(scheduled, finished_request_ids=self._finished)
         self._finished = []
