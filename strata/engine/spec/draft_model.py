@@ -66,13 +66,16 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Request] = {}  # request id -> the draft's view: tokens fed and their blocks
         self._finished: list[str] = []  # to tell the draft runner with its next step
-        self.forward_s, self.forwards = 0.0, 0  # time in draft passes, for the cost per step
+        # Time in draft passes past the prompts (a prompt's prefill is no cost of a draft position), for the cost
+        # per step: counting prefills made the depth chooser turn drafts off for 16 steps at a time, after which the
+        # draft caught up on 17 tokens in a prefill chunk (0.9x of no speculation on 500-token prompts).
+        self.forward_s, self.forwards = 0.0, 0
         logger.info("draft model %s loaded (%d KV blocks) in %.1f s", spec.model, num_blocks,
                     time.monotonic() - started)
 
     @property
     def mean_pass_s(self) -> float:
-        """Seconds a draft pass took on average (0 before the first)."""
+        """Seconds a draft pass past the prompts took on average (0 before the first)."""
         return self.forward_s / self.forwards if self.forwards else 0.0
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
@@ -137,8 +140,9 @@ class DraftModelProposer:
         self._finished = []
         started = time.perf_counter()
         out = self.runner.execute(step)
-        self.forward_s += time.perf_counter() - started
-        self.forwards += 1
+        if all(s.catch_up for s in scheduled):
+            self.forward_s += time.perf_counter() - started
+            self.forwards += 1
         return out
 
     def finish(self, request: Request) -> None:
