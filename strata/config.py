@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from strata import model_registry as registry
-from strata.distributed import pp_partition
 from strata.engine_args import KERNELS, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
 from strata.errors import ConfigError, UnsupportedModelError
 from strata.gguf.config import hf_config as gguf_hf_config
 from strata.gguf.reader import GGUFModel
 from strata.gguf.weights import blocked_types
 from strata.hf_config import HFConfig
+from strata.layout_rules import check_nodes, check_pp
 from strata.model_source import ModelSource, resolve_model
 from strata.quant_config import GGUFQuantConfig, QuantConfig, parse_quant_config
 from strata.reasoning import REASONING_PARSERS
@@ -363,8 +363,8 @@ def validate_parallel(config: EngineConfig) -> None:
         check_tp(tp, text)
         check_vision_tp(tp, config.model.hf_config.get("vision_config"))
         check_quant_tp(tp, config.model.quant_config, text)
-    _check_pp(pp, par.pp_layer_partition, text.num_hidden_layers)
-    _check_nodes(par)
+    check_pp(pp, par.pp_layer_partition, text.num_hidden_layers)
+    check_nodes(par.nnodes, par.node_rank, par.world_size, par.master_port)
     _check_devices(config, tp * pp)
 
 
@@ -372,37 +372,6 @@ def _architecture_name(model: ModelConfig) -> str:
     """The architecture whose capabilities count, naming the language model of multimodal checkpoints."""
     text_arch = model.info.text_architecture
     return f"{text_arch} (the language model of {model.architecture})" if text_arch else str(model.architecture)
-
-
-def _check_pp(pp: int, partition: tuple[int, ...] | None, num_layers: int) -> None:
-    if pp > num_layers:
-        raise ConfigError(f"pipeline_parallel_size={pp} exceeds the model's {num_layers} layers; "
-                          f"use 1 to {num_layers}", param="pipeline_parallel_size")
-    if partition is None:
-        return
-    if len(partition) != pp or sum(partition) != num_layers or min(partition) < 1:
-        example = ",".join(map(str, pp_partition(num_layers, pp)))
-        raise ConfigError(f"pp_layer_partition={','.join(map(str, partition))} must have {pp} positive entries "
-                          f"(one per stage) that sum to the model's {num_layers} layers, e.g. {example}",
-                          param="pp_layer_partition")
-
-
-def _check_nodes(par: ParallelConfig) -> None:
-    if par.nnodes < 1:
-        raise ConfigError(f"nnodes must be >= 1, got {par.nnodes}", param="nnodes")
-    if not 0 <= par.node_rank < par.nnodes:
-        raise ConfigError(f"node_rank={par.node_rank} must be in 0..{par.nnodes - 1} for nnodes={par.nnodes}",
-                          param="node_rank")
-    if par.world_size % par.nnodes:
-        works = [n for n in range(1, par.world_size + 1) if par.world_size % n == 0]
-        raise ConfigError(f"nnodes={par.nnodes} must divide the {par.world_size} workers "
-                          f"(tensor_parallel_size x pipeline_parallel_size) evenly; nnodes that work: "
-                          f"{', '.join(map(str, works))}", param="nnodes")
-    if par.master_port is not None and not 0 < par.master_port < 65536:
-        raise ConfigError(f"master_port={par.master_port} must be in 1..65535", param="master_port")
-    if par.nnodes > 1 and par.master_port is None:
-        raise ConfigError(f"nnodes={par.nnodes} needs --master-port (and --master-addr, the address of node 0) "
-                          "so that every node meets at the same place", param="master_port")
 
 
 def _check_devices(config: EngineConfig, world_size: int) -> None:

@@ -22,9 +22,18 @@ static inline void prefetch_blocks(const uint8_t *row, int64_t b, int64_t bytes)
 #define GGUF_MAX_MC 8
 
 #if USE_AVX2
+#if USE_AVX512
+/* Two 8-float halves as one 16-float register (AVX-512F alone: insertf32x8 would need AVX-512DQ). */
+static inline __m512 join256(__m256 low, __m256 high) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high),
+                                               1));
+}
+#endif
+
 /* Row n of the weight against MC rows of x (stride k): y[m] = the row's dot product with x row m. One row of x
    keeps four chains of sums (a run's four FMAs would otherwise wait on each other), 2-4 rows two each, 8 rows one
-   (the registers hold no more). */
+   (the registers hold no more). With AVX-512, 8 rows multiply each run at twice the width: once the dequantization
+   is shared by 8 rows the FMAs bound the kernel. */
 static inline __attribute__((always_inline)) void gguf_row(const weights_t *w, int64_t n, const float *x,
                                                           const int KIND, const int MC, float *y) {
     const uint8_t *row = w->data + n * w->row_bytes;
@@ -33,69 +42,53 @@ static inline __attribute__((always_inline)) void gguf_row(const weights_t *w, i
     __m256 total[GGUF_MAX_MC][4];
     for (int m = 0; m < MC; m++)
         for (int c = 0; c < chains; c++) total[m][c] = _mm256_setzero_ps();
+#if USE_AVX512
+    const int wide = MC == 8;
+    __m512 total512[8];
+    for (int m = 0; m < 8; m++) total512[m] = _mm512_setzero_ps();
+#endif
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = row + b * bytes;
         prefetch_blocks(row, b, bytes);
         for (int j = 0; j < per_block / 32; j++) {
             __m256 v[4];
             gguf_run(KIND, block, j, v);
-            for (int m = 0; m < MC; m++) {
-                const float *xb = x + m * w->k + b * per_block + 32 * j;
-                for (int r = 0; r < 4; r++)
-                    total[m][r % chains] = _mm256_fmadd_ps(v[r], _mm256_loadu_ps(xb + 8 * r), total[m][r % chains]);
+            const float *xb = x + b * per_block + 32 * j;
+#if USE_AVX512
+            if (wide) {
+                const __m512 lo = join256(v[0], v[1]), hi = join256(v[2], v[3]);
+                for (int m = 0; m < 8; m++)
+                    total512[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + m * w->k + 16),
+                                                  _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb + m * w->k), total512[m]));
+                continue;
             }
+#endif
+            for (int m = 0; m < MC; m++)
+                for (int r = 0; r < 4; r++)
+                    total[m][r % chains] = _mm256_fmadd_ps(v[r], _mm256_loadu_ps(xb + m * w->k + 8 * r),
+                                                           total[m][r % chains]);
         }
     }
     for (int m = 0; m < MC; m++) {
+#if USE_AVX512
+        if (wide) {
+            y[m] = _mm512_reduce_add_ps(total512[m]);
+            continue;
+        }
+#endif
         __m256 sum = chains == 1 ? total[m][0] : _mm256_add_ps(total[m][0], total[m][1]);
         if (chains == 4) sum = _mm256_add_ps(sum, _mm256_add_ps(total[m][2], total[m][3]));
         y[m] = hsum(sum);
     }
 }
 
-#if USE_AVX512
-/* Two 8-float halves as one 16-float register (AVX-512F alone: insertf32x8 would need AVX-512DQ). */
-static inline __m512 join256(__m256 low, __m256 high) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high),
-                                               1));
-}
-
-/* Row n against 8 rows of x: each run dequantized once (gguf_run) and multiplied at AVX-512's width, which halves
-   the FMAs that bound this kernel once the dequantization is shared by 8 rows. */
-static inline __attribute__((always_inline)) void gguf_row8_512(const weights_t *w, int64_t n, const float *x,
-                                                               const int KIND, float *y) {
-    const uint8_t *row = w->data + n * w->row_bytes;
-    const int64_t per_block = gguf_block_values(KIND), bytes = gguf_block_bytes(KIND), blocks = w->k / per_block;
-    __m512 total[8];
-    for (int m = 0; m < 8; m++) total[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = row + b * bytes;
-        prefetch_blocks(row, b, bytes);
-        for (int j = 0; j < per_block / 32; j++) {
-            __m256 v[4];
-            gguf_run(KIND, block, j, v);
-            const __m512 lo = join256(v[0], v[1]), hi = join256(v[2], v[3]);
-            for (int m = 0; m < 8; m++) {
-                const float *xb = x + m * w->k + b * per_block + 32 * j;
-                total[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16),
-                                           _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), total[m]));
-            }
-        }
-    }
-    for (int m = 0; m < 8; m++) y[m] = _mm512_reduce_add_ps(total[m]);
-}
-#define GGUF_ROW8(KIND) gguf_row8_512(w, n, x, KIND, y)
-#else
-#define GGUF_ROW8(KIND) gguf_row(w, n, x, KIND, 8, y)
-#endif
-
 typedef void (*gguf_row_fn)(const weights_t *, int64_t, const float *, float *);
 #define DEFINE_GGUF_ROW(KIND, MC)                                                           \
     static void gguf_row_##KIND##_##MC(const weights_t *w, int64_t n, const float *x, float *y) { \
         gguf_row(w, n, x, KIND, MC, y);                                                     \
     }
-#define DEFINE_GGUF_ROWS(KIND) DEFINE_GGUF_ROW(KIND, 1) DEFINE_GGUF_ROW(KIND, 2) DEFINE_GGUF_ROW(KIND, 4) \
-    static void gguf_row_##KIND##_8(const weights_t *w, int64_t n, const float *x, float *y) { GGUF_ROW8(KIND); }
+#define DEFINE_GGUF_ROWS(KIND) \
+    DEFINE_GGUF_ROW(KIND, 1) DEFINE_GGUF_ROW(KIND, 2) DEFINE_GGUF_ROW(KIND, 4) DEFINE_GGUF_ROW(KIND, 8)
 DEFINE_GGUF_ROWS(KIND_Q4_0)
 DEFINE_GGUF_ROWS(KIND_Q4_1)
 DEFINE_GGUF_ROWS(KIND_Q5_0)
