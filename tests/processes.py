@@ -72,3 +72,13 @@ def wait_reaped(pids: list[int], timeout_s: float) -> list[int]:
             return []
         time.sleep(0.05)
     return [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+def leave_process_group() -> None:
+    """End a spawned test rank's torch.distributed membership. The barrier keeps rank 0 (whose TCPStore every
+    rank talks through) from tearing the store down while a peer still uses it: without it a rank now and then
+    aborts at exit ("terminate called without an active exception") on a loaded 2-core machine."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from processes import free_port
+from processes import free_port, leave_process_group
 
 from strata.config import EngineConfig
 from strata.distributed import ParallelContext, StepSize
@@ -93,7 +93,7 @@ def _rank_main(rank: int, port: int, paths: list[str], folder: str) -> None:
     ParallelContext.all_gather = _record(calls, "all_gather", ParallelContext.all_gather)
     results = {path: _run_steps(engine_config(path), pc, calls) for path in paths}
     Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from processes import free_port
+from processes import free_port, leave_process_group
 
 from strata.distributed import IntermediateTensors
 from strata.executor import shm_collectives
@@ -48,7 +48,7 @@ def _rank_main(rank: int, world: int, port: int) -> None:
     # Other dtypes are left to gloo.
     assert not pc.tp_shm.all_reduce(torch.ones(4, dtype=torch.float16))
     assert torch.equal(pc.all_reduce(torch.ones(4, dtype=torch.float16)), torch.full((4,), float(world)).half())
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -63,7 +63,7 @@ def _one_rank_per_machine_main(rank: int, world: int, port: int) -> None:
     assert pc.tp_shm is None
     x = _tensor(rank, (5,))
     torch.testing.assert_close(pc.all_reduce(x), _tensor(0, (5,)) + _tensor(1, (5,)))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_tp_groups_spanning_machines_keep_gloo():
@@ -85,7 +85,7 @@ def _stages_main(rank: int, port: int) -> None:
         else:
             got = pc.recv_intermediate(shape[1], shape[2], dtype, torch.device("cpu"))
             assert torch.equal(got.hidden_states, expected[0]) and torch.equal(got.residual, expected[1])
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_stage_hand_off_through_shared_memory_is_exact_and_in_order():
@@ -110,7 +110,7 @@ def _no_room_main(rank: int, tp_size: int, port: int) -> None:
     else:
         got = pc.recv_intermediate(3, 4, torch.float32, torch.device("cpu"))
         assert torch.equal(got.hidden_states, _tensor(0, (3, 4)))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.mark.parametrize("tp_size", [2, 1])

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from arch_checkpoints import random_prompts
-from processes import free_port
+from processes import free_port, leave_process_group
 
 from strata.config import EngineConfig
 from strata.distributed import ParallelContext, StepSize
@@ -114,7 +114,7 @@ def _rank_main(rank: int, port: int, paths: list[str], folder: str) -> None:
     ParallelContext.all_gather = _record(calls, "all_gather", ParallelContext.all_gather)
     results = {path: {"pp2": greedy(path, pp), "tp2": greedy(path, tp, calls)} for path in paths}
     Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")
