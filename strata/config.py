@@ -14,7 +14,7 @@ import torch
 
 from strata import model_registry as registry
 from strata.engine_args import KERNELS, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
-from strata.errors import ConfigError, UnsupportedModelError
+from strata.errors import ConfigError
 from strata.gguf.config import hf_config as gguf_hf_config
 from strata.gguf.reader import GGUFModel
 from strata.gguf.weights import blocked_types
@@ -93,16 +93,11 @@ def resolve_kernels(kernels: str, device: str) -> str:
 
 
 def kernels_for_model(option: str, resolved: str, text: HFConfig) -> str:
-    """The resolved kernels, or torch where the Triton ones would compute the model wrongly: they have no
-    attention-logit soft-capping (Gemma 2). `auto` falls back to torch; an explicit 'triton' is refused."""
-    if resolved != "triton" or not text.get("attn_logit_softcapping"):
-        return resolved
-    if option == "auto":
-        logger.info("attention-logit soft-capping runs on the plain-torch kernels (the Triton ones lack it)")
-        return "torch"
-    raise UnsupportedModelError("kernels='triton' cannot run this model: its attention soft-caps its logits "
-                                f"(attn_logit_softcapping={text.get('attn_logit_softcapping')}), which the Triton "
-                                "attention kernels do not implement; use kernels='torch' or 'auto'", param="kernels")
+    """The kernels a model runs on, given the resolved choice: today always that choice, as the Triton attention
+    kernels follow every attention option a model sets (windows, attention chunks, logit soft-capping, sinks).
+    The one place a model the Triton kernels would compute wrongly is to fall back (`auto`) or be refused."""
+    del option, text  # no model needs a fallback today
+    return resolved
 
 
 def resolve_source(args: EngineArgs) -> ModelSource:

@@ -46,6 +46,7 @@ _MODELS: dict[str, ModelInfo] = {
     # The language model alone (text prompts): not multimodal here, so image inputs are refused up front.
     "Gemma3ForConditionalGeneration": ModelInfo("strata.models.gemma", "Gemma3ForConditionalGeneration",
                                                 text_architecture="Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ModelInfo("strata.models.gpt_oss", "GptOssForCausalLM"),
     "Plamo2ForCausalLM": ModelInfo("strata.models.plamo2", "Plamo2ForCausalLM", is_hybrid=True),
 }
 

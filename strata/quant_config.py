@@ -1,10 +1,12 @@
 """Quantized checkpoint formats as read from config.json's `quantization_config` (compressed-tensors, GPTQ, AWQ,
-FP8): one frozen `LinearScheme` per group of linear layers, which layers it targets, and which it ignores.
+FP8): one frozen `LinearScheme` per group of linear layers, which layers it targets, and which it ignores; gpt-oss's
+MXFP4 experts have a config of their own, MXFP4QuantConfig.
 
 Everything here is checked before any process starts; an unsupported scheme is a ConfigError naming the field.
 """
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +15,7 @@ from strata.errors import ConfigError
 from strata.gguf import types as gguf_types
 
 # vLLM's names, accepted by `quantization=` to insist on what the checkpoint declares.
-CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "mxfp4")
 EXPERTS_INT8 = "experts_int8"  # not a checkpoint format: quantizes the MoE experts while loading
 
 PACKED, INT8_W8A8, FP8, GPTQ, AWQ = "pack-quantized", "int-quantized", "float-quantized", "gptq", "awq"
@@ -85,6 +87,26 @@ class GGUFQuantConfig:
         return {n: self.tensor_types[n + ".weight"] for n in module_names if n + ".weight" in self.tensor_types}
 
 
+@dataclass(frozen=True)
+class MXFP4QuantConfig:
+    """gpt-oss's MXFP4 checkpoints: the MoE experts' projections stored as `*_blocks` / `*_scales` pairs
+    (strata/layers/quantization/mxfp4.py), every other layer (attention, router, embeddings, head) as it is. No
+    linear layer takes a scheme of QuantConfig's (`scheme_for` is None): the MoE layer reads the experts itself."""
+
+    modules_to_not_convert: tuple[str, ...] = ()  # checkpoint module names, `*` wildcards as transformers writes them
+    method: str = "mxfp4"
+    lm_head: bool = False
+    groups: tuple = ()
+
+    def scheme_for(self, names: list[str]) -> None:
+        return None
+
+    def experts_quantized(self, module_name: str) -> bool:
+        """Whether the experts under checkpoint module `module_name` (e.g. model.layers.3.mlp.experts) are MXFP4."""
+        return not any(fnmatch.fnmatchcase(module_name, p) or fnmatch.fnmatchcase(module_name, p + ".*")
+                       for p in self.modules_to_not_convert)
+
+
 def _matches(patterns: tuple[str, ...], name: str) -> bool:
     for p in patterns:
         if p.startswith("re:"):
@@ -95,7 +117,8 @@ def _matches(patterns: tuple[str, ...], name: str) -> bool:
     return False
 
 
-def parse_quant_config(raw: dict[str, Any] | None, requested: str | None) -> QuantConfig | None:
+def parse_quant_config(raw: dict[str, Any] | None,
+                       requested: str | None) -> QuantConfig | MXFP4QuantConfig | None:
     """config.json's `quantization_config` (and the user's `quantization=`) -> QuantConfig, or None."""
     if requested == EXPERTS_INT8:
         if raw:
@@ -115,7 +138,8 @@ def parse_quant_config(raw: dict[str, Any] | None, requested: str | None) -> Qua
     if requested is not None and requested != method:
         raise ConfigError(f"quantization={requested!r} was asked for, but the checkpoint is {method}",
                           param="quantization")
-    parse = {"compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq, "fp8": _fp8}[method]
+    parse = {"compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq, "fp8": _fp8,
+             "mxfp4": _mxfp4}[method]
     return parse(raw)
 
 
@@ -203,13 +227,23 @@ def _fp8(raw: dict[str, Any]) -> QuantConfig:
     return QuantConfig("fp8", ((("Linear",), scheme),), tuple(raw.get("ignored_layers") or ()))
 
 
-def quant_tp_problem(tp: int, quant: QuantConfig | GGUFQuantConfig, row_parallel_inputs: dict[str, int],
+def _mxfp4(raw: dict[str, Any]) -> MXFP4QuantConfig:
+    skip = raw.get("modules_to_not_convert") or ()
+    if not isinstance(skip, (list, tuple)) or not all(isinstance(p, str) for p in skip):
+        raise ConfigError(f"quantization_config.modules_to_not_convert must be a list of module names, got {skip!r}",
+                          param="quantization")
+    return MXFP4QuantConfig(tuple(skip))
+
+
+def quant_tp_problem(tp: int, quant: QuantConfig | GGUFQuantConfig | MXFP4QuantConfig,
+                     row_parallel_inputs: dict[str, int],
                      column_parallel_outputs: dict[str, tuple[int, int]] | None = None) -> str | None:
     """Why `tp` would cut a quantization group, a packed element or a ggml block: of a row-parallel layer's inputs
     (split across ranks), or of a column-parallel piece's outputs ((rows, units): units split across ranks, or,
     when fewer than ranks, each rank holds one); None when it cuts nothing."""
     columns = column_parallel_outputs or {}
-    cut_by = _gguf_cut_by if isinstance(quant, GGUFQuantConfig) else _cut_by
+    cut_by = (_gguf_cut_by if isinstance(quant, GGUFQuantConfig) else _mxfp4_cut_by
+              if isinstance(quant, MXFP4QuantConfig) else _cut_by)
     problem = cut_by(tp, quant, row_parallel_inputs, columns)
     if problem is None:
         return None
@@ -251,6 +285,17 @@ def _gguf_cut_by(tp: int, quant: GGUFQuantConfig, rows: dict[str, int], columns:
         if tp > 1 and size % tp == 0 and (size // tp) % block:
             return (f"tensor_parallel_size={tp} splits {name}={size} into {size // tp} inputs per rank, which cuts "
                     f"a GGUF block of {block} values")
+    return None
+
+
+def _mxfp4_cut_by(tp: int, quant: MXFP4QuantConfig, rows: dict[str, int], columns: dict) -> str | None:
+    """The experts' down projections are split along their inputs (the intermediate width): each rank's share must
+    hold whole MXFP4 blocks of 32 values."""
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        size = rows.get(name)
+        if size is not None and tp > 1 and size % tp == 0 and (size // tp) % 32:
+            return (f"tensor_parallel_size={tp} splits {name}={size} into {size // tp} inputs per rank, which cuts "
+                    "an MXFP4 block of 32 values")
     return None
 
 

@@ -128,3 +128,36 @@ def assert_matches_transformers(outputs: list, expected: list[dict]) -> None:
         for position, logprobs in enumerate(got.logprobs):
             for token, logprob in logprobs.items():
                 assert abs(logprob.logprob - float(want["logprobs"][position, token])) < 1e-4
+
+
+GPT_OSS_WINDOW = 8
+# gpt-oss (tests/models/test_gpt_oss.py): layers 0 and 2 slide over 8 tokens, layer 1 attends fully; 4 experts of
+# width 32, 2 per token; YaRN (x4 over an original 16 positions = max_position_embeddings 64, untruncated as the
+# released configs); a SwiGLU limit low enough that these weights' gates and ups reach it.
+GPT_OSS = dict(head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=GPT_OSS_WINDOW, swiglu_limit=1.0, max_position_embeddings=64,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
+
+
+def make_gpt_oss(folder: Path, *, tied: bool = False, seed: int = 0, **overrides) -> Path:
+    """A random gpt-oss checkpoint saved by transformers (float32) as `make_arch` makes the others: matrices and
+    experts N(0, 0.08), norms near one, biases N(0, 0.3), and sinks N(0, 1) so that they take a real share of
+    each softmax row."""
+    import transformers
+
+    config = transformers.GptOssConfig(**{**COMMON, **GPT_OSS, "tie_word_embeddings": tied, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if p.dim() >= 2 and not param_name.endswith("_bias"):
+                p.normal_(0, 0.08)
+            elif "norm" in param_name:
+                p.uniform_(0.6, 1.4)
+            else:
+                p.normal_(0, 1.0 if param_name.endswith("sinks") else 0.3)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder, VOCAB)
+    return folder

@@ -66,6 +66,15 @@ def thinking_llama(tmp_path_factory) -> Path:
     return make_thinking_llama(tmp_path_factory.mktemp("thinking_llama"))
 
 
+@pytest.fixture(scope="session")
+def harmony_gpt_oss(tmp_path_factory) -> Path:
+    """A gpt-oss checkpoint whose greedy output is harmony: analysis, then a final answer or a tool call (see
+    harmony_checkpoints)."""
+    from harmony_checkpoints import make_harmony_gpt_oss
+
+    return make_harmony_gpt_oss(tmp_path_factory.mktemp("harmony_gpt_oss"))
+
+
 # Every type strata reads, spread over one model's matrices (layer 0's fused q/k/v and gate/up pieces each in
 # another type; layer 1 as Q4_K_M stores it: q/k Q4_K, v Q6_K).
 ALL_TYPES = {"blk.0.attn_q": F16, "blk.0.attn_k": BF16, "blk.0.attn_v": Q4_0, "blk.0.attn_output": Q4_1,

@@ -5,7 +5,7 @@ import pytest
 from reasoning_checkpoints import R1_TEMPLATE, write_thinking_tokenizer
 
 from strata import ConfigError
-from strata.reasoning import REASONING_PARSERS, ReasoningParser
+from strata.reasoning import THINK_PARSERS, ReasoningParser
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def tokenizer(tmp_path_factory):
     return write_thinking_tokenizer(tmp_path_factory.mktemp("thinking_tokenizer"))
 
 
-@pytest.fixture(scope="module", params=REASONING_PARSERS)
+@pytest.fixture(scope="module", params=THINK_PARSERS)
 def parser(request, tokenizer) -> ReasoningParser:
     return ReasoningParser.create(request.param, tokenizer)
 

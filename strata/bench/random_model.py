@@ -28,15 +28,25 @@ PRESETS: dict[str, dict] = {
                            "phi3": dict(partial_rotary_factor=0.75, pad_token_id=0),
                            "granite": dict(embedding_multiplier=12.0, attention_multiplier=0.015625,
                                            residual_multiplier=0.22, logits_scaling=8.0)}.items()},
+    # Gemma 3 in that shape (5 sliding layers to 1 global, q/k norms); gpt-oss with Llama-250m's bytes: 8 experts of
+    # width 352 (2 of them per token) hold what Llama's one MLP of 2816 does; `-mxfp4`: those experts as released.
+    "gemma3-250m": dict(architecture="gemma3", hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
+                        sliding_window=512),
+    **{name: dict(architecture="gpt_oss", hidden_size=1024, intermediate_size=352, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, num_local_experts=8,
+                  num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=True, mxfp4=name.endswith("mxfp4"))
+       for name in ("gpt_oss-250m", "gpt_oss-250m-mxfp4")},
     # ~30M parameters: the issue's Mamba2 benchmark shape
     "mamba2-30m": dict(architecture="mamba2", hidden_size=512, num_hidden_layers=8, state_size=64, head_dim=64,
                        vocab_size=32000, tie_word_embeddings=True),
 }
 
 
-_DECODERS = {name: (f"{cls}Config", f"{cls}ForCausalLM") for name, cls in
-             {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
-              "granite": "Granite"}.items()}
+_DECODERS = {**{name: (f"{cls}Config", f"{cls}ForCausalLM") for name, cls in
+                {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
+                 "granite": "Granite", "gpt_oss": "GptOss"}.items()},
+             "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
 def build(preset: str, output: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
@@ -45,7 +55,7 @@ def build(preset: str, output: Path, seed: int = 0, dtype: torch.dtype = torch.f
     from strata.demo.train import stdlib_sources, train_tokenizer
 
     shape = dict(PRESETS[preset])
-    kind = shape.pop("architecture")
+    kind, mxfp4 = shape.pop("architecture"), shape.pop("mxfp4", False)
     output.mkdir(parents=True, exist_ok=True)
     tokenizer: PreTrainedTokenizerFast = train_tokenizer(stdlib_sources(), vocab_size=shape["vocab_size"])
     torch.manual_seed(seed)
@@ -65,9 +75,37 @@ def build(preset: str, output: Path, seed: int = 0, dtype: torch.dtype = torch.f
         model = Mamba2ForCausalLM(config)
     model.to(dtype).save_pretrained(output, safe_serialization=True)
     tokenizer.save_pretrained(output)
+    if mxfp4:
+        experts_as_mxfp4(output, seed)
     params = sum(p.numel() for p in model.parameters())
     logger.info("wrote %s (%s, %.1fM parameters) to %s", preset, kind, params / 1e6, output)
     return output
+
+
+def experts_as_mxfp4(folder: Path, seed: int) -> None:
+    """Replace the saved experts by MXFP4 blocks and scales of their shapes (random codes, exponents giving values
+    up to 6 * 2^-4) and say so in config.json, as gpt-oss checkpoints are released."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    for file in folder.glob("*.safetensors"):
+        tensors = {}
+        for name, t in load_file(str(file)).items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[name] = t
+                continue
+            experts, inputs, outputs = t.shape
+            tensors[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16),
+                                                      dtype=torch.uint8, generator=generator)
+            tensors[name + "_scales"] = torch.randint(119, 124, (experts, outputs, inputs // 32), dtype=torch.uint8,
+                                                      generator=generator)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,13 +10,23 @@
 
 typedef uint16_t bf16;
 
+/* Soft-capping (Gemma 2) of one head's n scores: s = cap * tanh(s / cap). Applied only when a layer has a cap,
+   as a pass of its own, so that uncapped layers keep the plain score loop. */
+static void soft_cap(float *s, int64_t n, float cap) {
+    const float inverse = 1.f / cap;
+    for (int64_t i = 0; i < n; i++) s[i] = cap * tanhf(s[i] * inverse);
+}
+
 /* One sequence's KV heads [h0, h0 + num_kv) and their query heads attend keys [lo, hi). Whole token rows
    (all those heads at once) are read in cache order: a row per head would jump a page per token and leave
-   the hardware prefetcher idle. `scores` holds num_kv * group * (hi - lo) floats; q and out are float32. */
+   the hardware prefetcher idle. `scores` holds num_kv * group * (hi - lo) floats; q and out are float32.
+   softcap > 0 caps the scores; sinks (else NULL), one logit per query head here, joins each head's softmax
+   as an extra column whose weight is dropped (gpt-oss). */
 #define DEFINE_ATTEND(NAME, T, LOAD)                                                                          \
     static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t lo,     \
                      int64_t hi, int64_t num_kv, int64_t group, int64_t head_dim, int64_t block_size,          \
-                     int64_t block_stride, int64_t token_stride, float scale, float *scores, float *out) {     \
+                     int64_t block_stride, int64_t token_stride, float scale, float softcap,                  \
+                     const float *sinks, float *scores, float *out) {                                         \
         const int64_t n = hi - lo, num_q = num_kv * group;                                                    \
         for (int64_t t = lo; t < hi; t++) {                                                                   \
             const T *k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;   \
@@ -30,12 +40,16 @@ typedef uint16_t bf16;
             }                                                                                                 \
         }                                                                                                     \
         for (int64_t j = 0; j < num_q; j++) {                                                                 \
-            float *s = scores + j * n, top = s[0], total = 0.f;                                               \
+            float *s = scores + j * n;                                                                        \
+            if (softcap > 0.f) soft_cap(s, n, softcap);                                                       \
+            float top = s[0], total = 0.f;                                                                    \
             for (int64_t i = 1; i < n; i++) top = s[i] > top ? s[i] : top;                                    \
+            if (sinks && sinks[j] > top) top = sinks[j];                                                      \
             _Pragma("omp simd reduction(+ : total)") for (int64_t i = 0; i < n; i++) {                        \
                 s[i] = fast_exp(s[i] - top);                                                                  \
                 total += s[i];                                                                                \
             }                                                                                                 \
+            if (sinks) total += fast_exp(sinks[j] - top);                                                     \
             for (int64_t i = 0; i < n; i++) s[i] /= total;                                                    \
         }                                                                                                     \
         for (int64_t d = 0; d < num_q * head_dim; d++) out[d] = 0.f;                                          \
@@ -60,12 +74,14 @@ DEFINE_ATTEND(attend_bf16, bf16, bf16_to_f32)
    are enough of them to share among the threads, thinner slices for small batches.
    With new_k / new_v (else NULL), the step's keys and values (num_seqs rows of num_kv_heads * head_dim values,
    rows `new_stride` elements apart) are first written to the cache at `slots`, so that a decode step's write
-   and read are one call. Returns 0, or -1 when scratch memory ran out. */
-int paged_decode_attention(const void *q, void *k_cache, void *v_cache, const int32_t *block_tables,
-                           const int32_t *first_keys, const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                           float scale, void *out, int num_threads, int is_bf16, const void *new_k,
-                           const void *new_v, int64_t new_stride, const int64_t *slots) {
+   and read are one call. softcap > 0 (else 0) soft-caps the scores; sinks (else NULL): float32 [num_heads], one
+   extra softmax logit per query head. Returns 0, or -1 when scratch memory ran out. */
+int scored_decode_attention(const void *q, void *k_cache, void *v_cache, const int32_t *block_tables,
+                            const int32_t *first_keys, const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                            float scale, void *out, int num_threads, int is_bf16, const void *new_k,
+                            const void *new_v, int64_t new_stride, const int64_t *slots, float softcap,
+                            const float *sinks) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
     if (new_k) {
@@ -103,21 +119,34 @@ int paged_decode_attention(const void *q, void *k_cache, void *v_cache, const in
             }
             const int64_t head = (s * num_heads + h0 * group) * head_dim, kv = h0 * head_dim;
             const int32_t *table = block_tables + s * max_blocks;
+            const float *head_sinks = sinks ? sinks + h0 * group : NULL;
             if (!is_bf16) {
                 attend_f32((const float *)q + head, (const float *)k_cache + kv, (const float *)v_cache + kv, table,
-                           lo, hi, num_kv, group, head_dim, block_size, block_stride, token_stride, scale, scratch,
-                           (float *)out + head);
+                           lo, hi, num_kv, group, head_dim, block_size, block_stride, token_stride, scale, softcap,
+                           head_sinks, scratch, (float *)out + head);
                 continue;
             }
             float *q32 = scratch + (need - 2 * width), *out32 = q32 + width;
             for (int64_t i = 0; i < width; i++) q32[i] = bf16_to_f32(((const bf16 *)q)[head + i]);
             attend_bf16(q32, (const bf16 *)k_cache + kv, (const bf16 *)v_cache + kv, table, lo, hi, num_kv, group,
-                        head_dim, block_size, block_stride, token_stride, scale, scratch, out32);
+                        head_dim, block_size, block_stride, token_stride, scale, softcap, head_sinks, scratch, out32);
             for (int64_t i = 0; i < width; i++) ((bf16 *)out)[head + i] = f32_to_bf16(out32[i]);
         }
         free(scratch);
     }
     return failed ? -1 : 0;
+}
+
+/* scored_decode_attention without soft-capping or sinks, under the signature that the fused decode path
+   (decode_layer.c) calls through its function pointer. */
+int paged_decode_attention(const void *q, void *k_cache, void *v_cache, const int32_t *block_tables,
+                           const int32_t *first_keys, const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           float scale, void *out, int num_threads, int is_bf16, const void *new_k,
+                           const void *new_v, int64_t new_stride, const int64_t *slots) {
+    return scored_decode_attention(q, k_cache, v_cache, block_tables, first_keys, seq_lens, num_seqs, num_heads,
+                                   num_kv_heads, head_dim, block_size, max_blocks, scale, out, num_threads, is_bf16,
+                                   new_k, new_v, new_stride, slots, 0.f, NULL);
 }
 
 /* Zero blocks `blocks[0..n_blocks)` ([block_bytes] each) of every cache: the caches' fresh blocks of a step in one

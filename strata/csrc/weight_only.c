@@ -1,5 +1,6 @@
 /* Small-batch linear products read straight from float32, bfloat16, FP8 (e4m3), int8 or int4 weights (strata's
    packed layout, strata/layers/quantization/weight_only.py); weight_gemm.c has the GEMM of larger batches.
+   MXFP4 blocks (mxfp4.h) and GGUF blocks (gguf_matmul.h) have kernels of their own.
    Built on first use by strata/native.py; AVX-512 VNNI (weight_only_vnni.h), AVX-512 (weight_only_avx512.h) or
    AVX2/FMA when the machine has it, plain C otherwise. */
 #include <math.h>
@@ -225,6 +226,7 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
 #endif
 
 #include "gguf_matmul.h"
+#include "mxfp4.h"
 
 #if USE_AVX512 && !USE_VNNI /* the float32 path of AVX-512 CPUs without VNNI */
 typedef void (*row512_fn)(const weights_t *, int64_t, const float *, int64_t, const float *, float *);
@@ -285,13 +287,16 @@ static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, co
 
 /* out[m_total, n] = x[m_total, k] (float32, contiguous) times the weight's transpose (+ bias, float32 or NULL).
    kind: 0 float32 / 1 bfloat16 weight [n, k]; 4 / 8: packed int4 / int8 with scales and zeros
-   [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]; 32 + ggml's type: GGUF blocks (gguf_blocks.h;
-   scales, zeros and groups unused). Rows of the weight are shared among the threads, each read once for every x
-   row (once for every 8 rows with AVX-512). Returns 0, -1 when scratch memory ran out, -2 for a GGUF kind strata
+   [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]; 16: MXFP4 blocks [n, k / 2] with their uint8 e8m0
+   exponents [n, k / 32] passed as `scales` (mxfp4.h; zeros and groups unused); 32 + ggml's type: GGUF blocks
+   (gguf_blocks.h; scales, zeros and groups unused). Rows of the weight are shared among the threads, each read
+   once for every x row (once for every 8 rows with AVX-512). Returns 0, -1 when scratch memory ran out, -2 for a GGUF kind strata
    does not read or a K that is not a whole number of its blocks. */
 int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *weight, int64_t row_bytes,
                        int kind, const float *scales, const float *zeros, int64_t groups, int64_t group_size,
                        const float *bias, float *out, int64_t n, int num_threads) {
+    if (kind == KIND_MXFP4)
+        return mxfp4_matmul(x, m_total, k, weight, row_bytes, (const uint8_t *)scales, bias, out, n, num_threads);
     kind = gguf_dense_kind(kind);
     if (kind >= KIND_GGUF && kind != KIND_F16) {
         if (!gguf_shape_ok(kind, k, row_bytes)) return -2;

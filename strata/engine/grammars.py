@@ -29,7 +29,9 @@ class GrammarState:
         self.matchers: dict[str, Any] = {}  # scheduler request id -> xgrammar.GrammarMatcher
         # group id -> (compile, deadline, the group's scheduler requests, whether their outputs start thinking)
         self.waiting: dict[str, tuple[Future, float, list[Request], bool]] = {}
-        self.thinking: set[str] = set()  # sequences whose grammar waits for the end of their thinking
+        # Sequences whose grammar waits for the end of their thinking -> their newest tokens, as many as could
+        # still be the start of the reasoning parser's end marker (one token, or harmony's header of several).
+        self.thinking: dict[str, list[int]] = {}
 
     def add(self, group_id: str, params: StructuredOutputsParams, requests: list[Request],
             thinking: bool = False) -> None:
@@ -59,7 +61,7 @@ class GrammarState:
             for request in requests:
                 self.matchers[request.request_id] = self.compiler.matcher(future.result())
                 if thinking:
-                    self.thinking.add(request.request_id)
+                    self.thinking[request.request_id] = []
             admitted.extend(requests)
         return admitted, failed
 
@@ -84,8 +86,11 @@ class GrammarState:
         token would have no grammar state to be masked by). A thinking sequence's draft stops before the end of its
         thinking, so that every row it is verified at is still unconstrained."""
         if request_id in self.thinking:
-            end = self.reasoning.end_id
-            return draft[:draft.index(end)] if end in draft else draft
+            tail = list(self.thinking[request_id])
+            for i, token in enumerate(draft):
+                if self._ends_thinking(tail, token):
+                    return draft[:i]
+            return draft
         matcher = self.matchers[request_id]
         taken = keep = 0  # tokens the matcher accepted; of those, the ones before any that ended the grammar
         for token in draft:
@@ -105,9 +110,10 @@ class GrammarState:
         matcher = self.matchers.get(request_id)
         if matcher is None:
             return False
-        if request_id in self.thinking:
-            if token == self.reasoning.end_id:
-                self.thinking.discard(request_id)
+        tail = self.thinking.get(request_id)
+        if tail is not None:
+            if self._ends_thinking(tail, token):
+                del self.thinking[request_id]
             return False
         if not matcher.accept_token(token):
             # Cannot happen while the bitmask is applied; end the sequence rather than continue unconstrained.
@@ -115,13 +121,23 @@ class GrammarState:
             return True
         return matcher.is_terminated()
 
+    def _ends_thinking(self, tail: list[int], token: int) -> bool:
+        """Append `token` to a thinking sequence's `tail` (kept one token shorter than the end marker); True when
+        the two together are the marker."""
+        end = self.reasoning.end_ids
+        tail.append(token)
+        if tail[-len(end):] == list(end):
+            return True
+        del tail[:max(0, len(tail) - len(end) + 1)]
+        return False
+
     def constrained(self, request_id: str) -> bool:
         return request_id in self.matchers
 
     def drop(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
         self.waiting.pop(request_id, None)
-        self.thinking.discard(request_id)
+        self.thinking.pop(request_id, None)
 
     def shutdown(self) -> None:
         self.compiler.shutdown()

@@ -135,16 +135,25 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, chunk
 class Attention(nn.Module):
     """Multi-head attention over a paged cache of shape [num_blocks, block_size, kv_heads, head_dim].
 
-    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask and softmax. Neither SDPA
-    nor the C and Triton kernels know it, so a capped layer always attends through `_attend_capped`."""
+    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask and softmax.
+    `sinks` (gpt-oss): one logit per query head of this rank (float32 [num_heads]) joins every row's softmax and is
+    dropped after, so a row may give part of its weight to nothing. The model owns the tensor (the loader fills it
+    in place), so it is read at each forward, never copied. SDPA knows neither, so on the torch path such a layer
+    attends through `_attend_explicit`; the C decode kernel and the Triton kernels apply both."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, chunk_size: int | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.chunk_size = scale, sliding_window, chunk_size
         self.softcap = softcap
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise UnsupportedModelError(f"attention sinks have shape {tuple(sinks.shape)}; expected one per query "
+                                        f"head of this rank, ({num_heads},)")
+        # Kept out of nn.Module's registry: the model registers (and loads) this parameter; a second name here
+        # would put it twice in state_dict.
+        self.__dict__["sinks"] = sinks
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
 
@@ -153,12 +162,13 @@ class Attention(nn.Module):
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
         if meta.kernels == "triton":
             return self._forward_triton(q, k, v, meta)
-        if not meta.prefills and self.softcap is None and k.dtype == self.k_cache.dtype and \
+        if not meta.prefills and k.dtype == self.k_cache.dtype and \
                 cpu_attention.available(q, self.k_cache) and \
                 cpu_attention.rows_serve(k, v, meta.slot_mapping):  # a decode step: write and read in one call
             tables, first_keys, seq_lens = meta.decode_key_ranges(self.sliding_window, self.chunk_size)
             out = cpu_attention.paged_decode_attention(q, self.k_cache, self.v_cache, tables, first_keys, seq_lens,
-                                                       self.scale, new_kv=(k, v, meta.slot_mapping))
+                                                       self.scale, new_kv=(k, v, meta.slot_mapping),
+                                                       softcap=self.softcap, sinks=self.sinks)
             return out.view(q.shape[0], -1)
         flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
@@ -175,50 +185,60 @@ class Attention(nn.Module):
                         ) -> torch.Tensor:
         """The Triton kernels: K/V written to the cache, then every decode and every prefill chunk read
         through the block tables in place (a chunk's own keys too), one launch each."""
-        if self.softcap is not None:  # start-up refuses this pairing; never return uncapped scores' output
-            raise UnsupportedModelError("the Triton attention kernels do not apply attention-logit soft-capping; "
-                                        "run this model with kernels='torch'", param="kernels")
         triton_attention.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out, nd = torch.empty_like(q), meta.num_decodes
         if nd:
             tables, first_keys, seq_lens = meta.decode_key_ranges(self.sliding_window, self.chunk_size)
             out[:nd] = triton_attention.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, tables,
-                                                               first_keys, seq_lens, self.scale)
+                                                               first_keys, seq_lens, self.scale,
+                                                               softcap=self.softcap, sinks=self.sinks)
         if meta.prefills:
             out[nd:] = triton_attention.varlen_prefill_attention(
                 q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables, meta.prefill_query_start,
-                meta.prefill_seq_lens, self.scale, self.sliding_window, self.chunk_size)
+                meta.prefill_seq_lens, self.scale, self.sliding_window, self.chunk_size, self.softcap, self.sinks)
         return out.view(q.shape[0], -1)
+
+    @property
+    def plain(self) -> bool:
+        """Neither soft-capping nor sinks: the scores' softmax is SDPA's."""
+        return self.softcap is None and self.sinks is None
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool = False) -> torch.Tensor:
         """q: [B, Hq, Q, D], k/v: [B, Hkv, K, D]."""
-        if self.softcap is not None:
-            return self._attend_capped(q, k, v, mask, causal)
+        if not self.plain:
+            return self._attend_explicit(q, k, v, mask, causal)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
                                               enable_gqa=self.num_heads != self.num_kv_heads)
 
-    def _attend_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                       causal: bool) -> torch.Tensor:
-        """`_attend` with soft-capped scores, spelled out: the cap bends scores before the mask, which SDPA cannot
-        express. The softmax runs in float32 whatever the activations' dtype, as Gemma's reference does."""
+    def _attend_explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         causal: bool) -> torch.Tensor:
+        """`_attend` spelled out for what SDPA cannot express: the cap bends scores before the mask, and a sink
+        is one more softmax column per head. The softmax runs in float32 whatever the activations' dtype, as
+        Gemma's and gpt-oss's references do."""
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if causal:  # the queries are the last Q of the K keys
             queries, keys = scores.shape[-2], scores.shape[-1]
             mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
+        scores = scores.float()
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+        if self.sinks is None:
+            return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+        sink = self.sinks.to(device=scores.device, dtype=torch.float32).view(1, -1, 1, 1)
+        probs = torch.softmax(torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1), dim=-1)
+        return torch.matmul(probs[..., :-1].to(v.dtype), v)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.softcap is None and cpu_attention.available(q, self.k_cache):
+        if cpu_attention.available(q, self.k_cache):
             tables, first_keys, seq_lens = meta.decode_key_ranges(self.sliding_window, self.chunk_size)
             return cpu_attention.paged_decode_attention(q, self.k_cache, self.v_cache, tables, first_keys,
-                                                        seq_lens, self.scale)
+                                                        seq_lens, self.scale, softcap=self.softcap, sinks=self.sinks)
         return self._decode_gathered(q, meta)
 
     def _decode_gathered(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

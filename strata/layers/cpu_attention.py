@@ -21,7 +21,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     return native.bind("cpu_attention", {
-        "paged_decode_attention": ([PTR] * 6 + [I64] * 6 + [F32, PTR, I32, I32, PTR, PTR, I64, PTR], I32),
+        # paged_decode_attention (the same without the last two arguments) is left to the fused decode path.
+        "scored_decode_attention": ([PTR] * 6 + [I64] * 6 + [F32, PTR, I32, I32, PTR, PTR, I64, PTR, F32, PTR], I32),
         "zero_blocks": ([PTR, I64, PTR, I64, I64], None)})
 
 
@@ -45,22 +46,29 @@ def rows_serve(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, first_keys: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                           ) -> torch.Tensor:
+                           scale: float, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [S, Hq, D]; caches: [blocks, block_size, Hkv, D]; block_tables: [S, max_blocks] int32;
     sequence s attends keys first_keys[s] .. seq_lens[s] - 1 (int32). Returns [S, Hq, D]. With
-    `new_kv` = (k, v, slots) (see `rows_serve`) the step's keys and values are written to the cache first."""
+    `new_kv` = (k, v, slots) (see `rows_serve`) the step's keys and values are written to the cache first.
+    `softcap`: scores become softcap * tanh(scores / softcap); `sinks` ([Hq]): one extra softmax logit per head,
+    its weight dropped."""
     q = q.contiguous()
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")  # 0 means "no cap" to the kernel
+    if sinks is not None:  # the kernel reads float32 [Hq]; usually already so, then no copy
+        sinks = sinks.detach().to(torch.float32).contiguous()
     new_k, new_v, slots = new_kv if new_kv is not None else (None, None, None)
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
-    status = _library().paged_decode_attention(
+    status = _library().scored_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), first_keys.data_ptr(),
         seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
         scale, out.data_ptr(), torch.get_num_threads(), int(q.dtype == torch.bfloat16),
         None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
-        0 if new_k is None else new_k.stride(0), None if slots is None else slots.data_ptr())
+        0 if new_k is None else new_k.stride(0), None if slots is None else slots.data_ptr(),
+        0.0 if softcap is None else softcap, None if sinks is None else sinks.data_ptr())
     if status != 0:
         raise MemoryError("CPU attention kernel could not allocate its scratch memory")
     return out

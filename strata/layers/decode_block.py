@@ -212,7 +212,7 @@ def describe(b: DecoderBlocks, ranges: int) -> Plan | None:
     """The layer's blocks as the C calls read them (`ranges`: the index of its attention's key ranges in the
     step), or None when one of its parts needs the modules' path."""
     attn = b.attn
-    if attn.softcap is not None:  # the C attention has no soft-capping: its scores would be wrong
+    if not attn.plain:  # the C attention has no soft-capping nor sinks: its scores would be wrong
         return None
     if _library() is None or _kernels() is None or b.rotary.interleaved or attn.k_cache.dtype != torch.float32 \
             or not _float32(b.input_norm, b.post_attention_norm, b.q_norm, b.k_norm):

@@ -1,5 +1,6 @@
-"""Routed SwiGLU experts (top-k routing, TP-sharded along each expert's intermediate size) and their
-optional `experts_int8` weight-only quantization (int8 weights, one scale per output channel)."""
+"""Routed SwiGLU experts (top-k routing, TP-sharded along each expert's intermediate size, optional biases and
+another gated activation) and their optional `experts_int8` weight-only quantization (int8 weights, one scale per
+output channel)."""
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,20 @@ def topk_softmax_routing(router_logits: torch.Tensor, top_k: int, renormalize: b
     return values, ids
 
 
+def topk_then_softmax_routing(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing: the k largest logits, then a softmax over those k only (the other experts never enter the
+    normalisation), in float32.
+
+    Returns (weights [T, k] float32, expert ids [T, k]).
+    """
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(values.float(), dim=-1), ids
+
+
 # (router logits [T, E], k) -> (weights [T, k] float32, expert ids [T, k])
 Routing = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# An expert's gate_up output [n, 2 * I/tp] (this rank's gate columns, then its up columns) -> [n, I/tp]
+GatedActivation = Callable[[torch.Tensor], torch.Tensor]
 
 
 def expert_params_mapping(num_experts: int, prefix: str = ".experts.",
@@ -79,16 +92,20 @@ class FusedMoE(nn.Module):
     as each checkpoint tensor arrives, so the full-precision experts never exist in memory.
     A checkpoint that stores its experts quantized replaces both by its stored tensors and sets `quant`
     (strata.layers.quantization.moe_method), which then runs each expert from its packed weights.
-    `routing` turns router logits into each token's expert weights and ids (Llama 4's sigmoid by default).
+    `routing` turns router logits into each token's expert weights and ids (Llama 4's sigmoid by default);
+    `activation` gates the gate_up output (SwiGLU by default). With `bias` every expert also has
+    `gate_up_proj_bias` [E, 2*I/tp] (gate then up, like the rows) and `down_proj_bias` [E, H], which only TP
+    rank 0 holds non-zero so that the all-reduced sum adds it once (gpt-oss).
     """
 
     quant = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  pc: ParallelContext, dtype: torch.dtype, quantization: str | None = None,
-                 apply_router_weight_on_input: bool = True, routing: Routing = topk_sigmoid_routing) -> None:
+                 apply_router_weight_on_input: bool = True, routing: Routing = topk_sigmoid_routing,
+                 activation: GatedActivation = silu_and_mul, bias: bool = False) -> None:
         super().__init__()
-        self.routing = routing
+        self.routing, self.activation = routing, activation
         if intermediate_size % pc.tp_size:
             raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by "
                              f"tp_size {pc.tp_size}")
@@ -105,10 +122,15 @@ class FusedMoE(nn.Module):
             # Buffers, not parameters: they are derived at load, never read from a checkpoint.
             self.register_buffer("gate_up_scale", torch.zeros(num_experts, 2 * i, dtype=dtype))
             self.register_buffer("down_scale", torch.zeros(num_experts, hidden_size, dtype=dtype))
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:  # added after the (possibly int8) matmuls, so they stay in the activations' dtype
+            self.gate_up_proj_bias = self._param((num_experts, 2 * i), dtype, self.bias_loader)
+            self.down_proj_bias = self._param((num_experts, hidden_size), dtype, self.bias_loader)
 
-    def _param(self, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    def _param(self, shape: tuple[int, ...], dtype: torch.dtype,
+               loader: Callable[..., None] | None = None) -> nn.Parameter:
         p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-        p.weight_loader = self.weight_loader
+        p.weight_loader = loader or self.weight_loader
         return p
 
     @property
@@ -126,6 +148,8 @@ class FusedMoE(nn.Module):
         tensors = [self.gate_up_proj, self.down_proj]
         if self.quantized:
             tensors += [self.gate_up_scale, self.down_scale]
+        if self.gate_up_proj_bias is not None:
+            tensors += [self.gate_up_proj_bias, self.down_proj_bias]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- loading -------------------------------------------------------------------------------------
@@ -153,6 +177,18 @@ class FusedMoE(nn.Module):
             _check_shape(loaded, (self.intermediate_size, self.hidden_size))
             rows = slice(0, i) if part == GATE else slice(i, 2 * i)
             self._store(expert, rows, shard_dim(loaded, 0, rank, tp), True)
+
+    def bias_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        """Fused bias tensors: gate_up [E, 2I] (gate half, then up half), each half cut to this rank's columns; down
+        [E, H], kept by TP rank 0 alone (every rank's partial output would otherwise add it once more)."""
+        tp, rank = self.pc.tp_size, self.pc.tp_rank
+        if param is self.gate_up_proj_bias:
+            _check_shape(loaded, (self.num_experts, 2 * self.intermediate_size))
+            gate, up = loaded.chunk(2, dim=-1)
+            param.data.copy_(torch.cat([shard_dim(gate, 1, rank, tp), shard_dim(up, 1, rank, tp)], dim=1))
+            return
+        _check_shape(loaded, (self.num_experts, self.hidden_size))
+        param.data.copy_(loaded if rank == 0 else torch.zeros_like(loaded))
 
     def _store(self, experts: int | slice, rows: slice, w: torch.Tensor, is_gate_up: bool) -> None:
         param = self.gate_up_proj if is_gate_up else self.down_proj
@@ -193,10 +229,20 @@ class FusedMoE(nn.Module):
     def _expert(self, expert: int, h: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(expert, h)
+        if self.gate_up_proj_bias is not None:
+            return self._biased_expert(expert, h)
         if not self.quantized:
-            return F.linear(silu_and_mul(F.linear(h, self.gate_up_proj[expert])), self.down_proj[expert])
-        act = silu_and_mul(_int8_linear(h, self.gate_up_proj[expert], self.gate_up_scale[expert]))
+            return F.linear(self.activation(F.linear(h, self.gate_up_proj[expert])), self.down_proj[expert])
+        act = self.activation(_int8_linear(h, self.gate_up_proj[expert], self.gate_up_scale[expert]))
         return _int8_linear(act, self.down_proj[expert], self.down_scale[expert])
+
+    def _biased_expert(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        gate_up_bias, down_bias = self.gate_up_proj_bias[expert], self.down_proj_bias[expert]
+        if not self.quantized:
+            act = self.activation(F.linear(h, self.gate_up_proj[expert], gate_up_bias))
+            return F.linear(act, self.down_proj[expert], down_bias)
+        act = self.activation(_int8_linear(h, self.gate_up_proj[expert], self.gate_up_scale[expert]) + gate_up_bias)
+        return _int8_linear(act, self.down_proj[expert], self.down_scale[expert]) + down_bias
 
 
 # torch's CPU weight-only int8 kernel costs grow with the row count (it is a GEMV at heart): measured on

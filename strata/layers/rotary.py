@@ -1,5 +1,5 @@
 """Rotary position embeddings (half-split "neox" and interleaved-pair styles, over the whole head or its first
-`rotary_dim` dimensions), with llama3 and LongRoPE scaling; a decode step's heads on CPU are rotated in place by a
+`rotary_dim` dimensions), with llama3, LongRoPE and YaRN scaling; a decode step's heads on CPU are rotated in place by a
 small C kernel (one call for q and k instead of a dozen ops)."""
 from __future__ import annotations
 
@@ -36,11 +36,32 @@ def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
     if params:
         base = params.get("rope_theta", config.get("rope_theta", 10000.0))
         kind = params.get("rope_type", params.get("type", "default"))
-        return base, (_with_longrope_lengths(dict(params), config) if kind != "default" else None)
+        return base, (_with_original_length(dict(params), config) if kind != "default" else None)
     scaling = config.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    return config.get("rope_theta", 10000.0), scaling and _with_longrope_lengths(dict(scaling), config)
+    return config.get("rope_theta", 10000.0), scaling and _with_original_length(dict(scaling), config)
+
+
+def _with_original_length(scaling: dict[str, Any], config: Any) -> dict[str, Any]:
+    """The scaling dict completed with the lengths its kind needs (LongRoPE's, YaRN's); others pass as they are."""
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        return _with_yarn_lengths(scaling, config)
+    return _with_longrope_lengths(scaling, config)
+
+
+def _with_yarn_lengths(scaling: dict[str, Any], config: Any) -> dict[str, Any]:
+    """A YaRN dict with `original_max_position_embeddings` as transformers completes it: the config's top-level
+    value first, then the dict's own, then max_position_embeddings; and `factor`, when absent, their ratio."""
+    original = (config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                or config.get("max_position_embeddings"))
+    if original is None:
+        raise UnsupportedModelError("YaRN rotary scaling needs original_max_position_embeddings (or "
+                                    "max_position_embeddings) in config.json", param="rope_scaling")
+    scaling["rope_type"], scaling["original_max_position_embeddings"] = "yarn", original
+    if scaling.get("factor") is None:
+        scaling["factor"] = config.get("max_position_embeddings", original) / original
+    return scaling
 
 
 def partial_rotary_factor(config: Any) -> float:
@@ -103,6 +124,43 @@ def longrope_inv_freq(base: float, rotary_dim: int, scaling: dict[str, Any], max
     return inv_freq, float(attention_factor)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(base: float, rotary_dim: int, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (NTK-by-parts): (inverse frequencies, the factor cos and sin are multiplied by).
+
+    Dimensions that turn more than `beta_fast` times over the original context keep their frequency
+    (extrapolation), those turning fewer than `beta_slow` times are divided by `factor` (interpolation), and a
+    linear ramp blends the ones between. `truncate` (default true; gpt-oss sets false) rounds the ramp's ends
+    outwards to whole dimensions. The attention factor defaults to 0.1 ln(factor) + 1, or the ratio of two such
+    terms when `mscale` and `mscale_all_dim` are both given (DeepSeek's spelling)."""
+    factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+
+    def dimension_of(rotations: float) -> float:
+        """The (fractional) dimension whose frequency turns `rotations` times over the original context."""
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: a fast (high-frequency) dimension keeps its frequency; 0: a slow one is interpolated
+    wavelengths = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    # Rounded as transformers rounds them (1 / (factor * w), the blend weights as 1 - keep), for identical tables.
+    return (1.0 / (factor * wavelengths)) * (1 - keep) + (1.0 / wavelengths) * keep, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """`rotary_dim`: the leading dimensions of each head that rotate (partial rotary), the whole head by default;
     `max_model_len`: the longest sequence the engine runs (LongRoPE chooses its factors by it)."""
@@ -117,7 +175,7 @@ class RotaryEmbedding(nn.Module):
             raise UnsupportedModelError(f"a rotary dimension of {dim} in heads of {head_dim} is not supported "
                                         "(it must be even, and whole heads for interleaved pairs)",
                                         param="partial_rotary_factor")
-        self.mscale = 1.0  # cos and sin are multiplied by it (LongRoPE's attention scaling)
+        self.mscale = 1.0  # cos and sin are multiplied by it (LongRoPE's and YaRN's attention scaling)
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -125,6 +183,8 @@ class RotaryEmbedding(nn.Module):
                 inv_freq = llama3_inv_freq(inv_freq, scaling)
             elif kind in ("longrope", "su"):
                 inv_freq, self.mscale = longrope_inv_freq(base, dim, scaling, max_model_len)
+            elif kind == "yarn":
+                inv_freq, self.mscale = yarn_inv_freq(base, dim, scaling)
             elif kind == "linear":  # positions divided by the factor: the same angles as frequencies divided
                 inv_freq = inv_freq / float(scaling["factor"])
             elif kind == "freq_factors":  # a divisor per frequency, as GGUF files carry Llama 3.1's (rope_freqs)
@@ -135,7 +195,7 @@ class RotaryEmbedding(nn.Module):
                 inv_freq = inv_freq / factors
             else:
                 raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: llama3, "
-                                            "longrope, linear)", param="rope_scaling")
+                                            "longrope, linear, yarn)", param="rope_scaling")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # The step's positions and dtype, its cos/sin, and (once asked for) its half-split tables.
         self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -177,3 +177,18 @@ def test_a_thinking_request_under_a_grammar_drafts_its_thinking_and_answers_as_w
     got = llm.chat(msgs, params, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == want.token_ids and got.text.endswith("</think>no!")
     assert llm.engine.spec.stats.num_accepted_tokens >= 3  # " quick brown fox" came from a draft
+
+
+def test_harmony_drafts_stop_before_the_final_header_completes(harmony_gpt_oss):
+    """gpt-oss's thinking ends with a header of three tokens (`<|channel|>final<|message|>`): a draft that would
+    complete it is cut there, so the grammar masks every row after it, and the output is that without drafts."""
+    header = "<|end|><|start|>assistant<|channel|>final<|message|>"
+    # Without " fox", which would tell the model its thinking is done; the n-grams of the header are there.
+    msgs = [{"role": "user", "content": f"<|channel|>analysis<|message|> quick brown{header} It is sunny."}]
+    params = SamplingParams(temperature=0, max_tokens=30, skip_special_tokens=False,
+                            structured_outputs=StructuredOutputsParams(regex="(yes|no)!"))
+    want = LLM(str(harmony_gpt_oss), reasoning_parser="openai_gptoss").chat(msgs, params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(harmony_gpt_oss), reasoning_parser="openai_gptoss", speculative_config=NGRAM)
+    got = llm.chat(msgs, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.text.endswith(f"{header}no!")
+    assert llm.engine.spec.stats.num_accepted_tokens >= 3

@@ -10,8 +10,9 @@ from strata.layers.attention import Attention, AttentionMetadata
 pytestmark = pytest.mark.skipif(cpu_attention._library() is None, reason="no C compiler to build the kernel")
 
 
-def reference(q, k_cache, v_cache, tables, seq_lens, scale, window=None, chunk=None):
-    """Each sequence on its own in float64: its keys listed block by block, softmax, weighted values."""
+def reference(q, k_cache, v_cache, tables, seq_lens, scale, window=None, chunk=None, softcap=None, sinks=None):
+    """Each sequence on its own in float64: its keys listed block by block, softmax, weighted values. `softcap`
+    bends the scores (cap * tanh(s / cap)); `sinks` [Hq] join each head's softmax as one more logit, dropped after."""
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     outs = []
     for s, length in enumerate(seq_lens.tolist()):
@@ -25,7 +26,12 @@ def reference(q, k_cache, v_cache, tables, seq_lens, scale, window=None, chunk=N
         if chunk is not None:
             visible &= pos // chunk == (length - 1) // chunk
         scores = torch.einsum("hd,lhd->hl", q[s].double(), k) * scale
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+        weights = scores.softmax(-1)[:, :length]
         outs.append(torch.einsum("hl,lhd->hd", weights, v))
     return torch.stack(outs).float()
 
@@ -117,6 +123,57 @@ def test_a_decode_step_writes_its_keys_and_reads_the_cache_in_one_call(dtype):
         torch.testing.assert_close(fused.float(), expected.bfloat16().float(), atol=0, rtol=2 ** -7)
     else:
         torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+
+
+# Per-head sinks around the scores' range: some heads give most of a row's weight to the sink.
+SINKS = torch.tensor([-3.0, 0.0, 2.5, 1.0, 4.0, -1.0, 0.5, 6.0])
+SCORE_CASES = [(1.5, None), (None, SINKS), (1.5, SINKS)]
+
+
+@pytest.mark.parametrize("softcap,sinks", SCORE_CASES, ids=["cap", "sinks", "both"])
+@pytest.mark.parametrize("num_kv_heads,window", [(8, None), (2, None), (2, 6), (1, 13)])
+def test_kernel_applies_soft_caps_and_sinks(softcap, sinks, num_kv_heads, window):
+    seq_lens = [1, 6, 17, 40]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, num_kv_heads, 16, 5, seed=6)
+    q = q * 4  # scores well past the cap, so that capping matters
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], 5)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(window, None), 0.25,
+                                               softcap=softcap, sinks=sinks)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.25, window, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_kernel_applies_soft_caps_and_sinks():
+    seq_lens = [3, 29]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, 2, 64, 16, seed=7)
+    q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], 16)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(None, None), 0.125,
+                                               softcap=1.0, sinks=SINKS.bfloat16())  # sinks cast to float32
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.125, softcap=1.0, sinks=SINKS)
+    torch.testing.assert_close(out.float(), expected.bfloat16().float(), atol=1e-3, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("softcap,sinks", SCORE_CASES, ids=["cap", "sinks", "both"])
+def test_capped_and_sink_layers_decode_through_the_kernel_as_the_gather_path(softcap, sinks, monkeypatch):
+    seq_lens = [4, 17, 33]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, 2, 16, 8, seed=8)
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(len(seq_lens), (8 + 2 + 2) * 16, generator=g)
+    k, v = qkv[:, 128:160].view(-1, 2, 16), qkv[:, 160:].view(-1, 2, 16)
+    slots = torch.tensor([int(tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8 for i, n in enumerate(seq_lens)])
+    meta = AttentionMetadata(slots, len(seq_lens), tables, lens, [], 8)
+    layer = Attention(8, 2, 16, scale=0.25, sliding_window=10, softcap=softcap, sinks=sinks)
+    layer.k_cache, layer.v_cache = k_cache.clone(), v_cache.clone()
+    calls = []
+    kernel = cpu_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    fused = layer(q, k, v, meta)  # the decode step's write and read in one kernel call
+    assert len(calls) == 1 and calls[0]["softcap"] == softcap and calls[0]["sinks"] is sinks
+    k_cache.view(-1, 2, 16)[slots], v_cache.view(-1, 2, 16)[slots] = k, v
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.25, 10, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(fused, expected.reshape(len(seq_lens), -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer._decode_gathered(q, meta), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_block_zeroer_clears_exactly_the_given_blocks_of_every_cache():

@@ -1,11 +1,13 @@
 """Gemma 2 and Gemma 3 against transformers in float32: greedy tokens of `generate` and logprobs of full forward passes
 over prompts and outputs that run past the 8-token sliding windows; soft-capping (attention and final logits) that
 changes the result and is followed exactly; the config spellings each generation reads; a Gemma 3 multimodal
-checkpoint's language model; the fused CPU decode path and the Triton kernels never running soft-capped attention."""
+checkpoint's language model; the fused CPU decode path never running soft-capped attention, the C decode kernel and
+the Triton kernels running it as torch does."""
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,6 @@ from arch_checkpoints import (
 from checkpoints import write_tokenizer
 
 from strata.config import EngineConfig, HFConfig, kernels_for_model
-from strata.errors import UnsupportedModelError
 from strata.layers.decode_block import FusedDecodeLayer
 from strata.layers.decode_forward import FusedDecodeForward
 from strata.layers.decode_stack import FusedDecodeStack
@@ -130,15 +131,46 @@ def test_a_soft_capped_attention_refuses_the_fused_cpu_path(tmp_path, monkeypatc
     assert plans and all(p is None for p in plans)
 
 
-def test_triton_kernels_refuse_soft_capped_attention_at_start_up(gemma_path, monkeypatch):
+def _greedy_runs_match(a: list, b: list, tolerance: float) -> None:
+    """The same greedy tokens, and every logprob both report within `tolerance`."""
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert _max_logprob_gap(a, b) < tolerance
+
+
+def test_triton_kernels_give_the_soft_capped_tokens_of_torch(gemma_path):
+    """Gemma 2's capped attention on the Triton kernels (the interpreter on CPU): the tokens and logprobs of the
+    torch kernels, through chunked prefill (8-token chunks) and a prefix-cache hit (the third prompt repeats the
+    first's 16-token head, so its prefill reads cached context). `auto` and the start-up check keep it on Triton."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("no triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(UnsupportedModelError, match="soft-caps"):
-        EngineConfig.create(str(gemma_path("gemma2")), kernels="triton", device="cpu", dtype="float32")
-    # Gemma 3 has no attention cap: Triton serves it; `auto` keeps soft-capped models on torch.
-    assert EngineConfig.create(str(gemma_path("gemma3")), kernels="triton", device="cpu").kernels == "triton"
-    assert kernels_for_model("auto", "triton", HFConfig({"attn_logit_softcapping": 50.0})) == "torch"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
+    path = gemma_path("gemma2")
+    prompts = [PROMPTS[2], PROMPTS[1], PROMPTS[2][:16] + PROMPTS[0]]
+    options = dict(max_num_batched_tokens=8, enable_prefix_caching=True, max_num_seqs=1)
+    torch_run = strata_greedy(path, prompts, 5, kernels="torch", **options)
+    triton_run = strata_greedy(path, prompts, 5, kernels="triton", **options)
+    _greedy_runs_match(triton_run, torch_run, 1e-4)
+    assert EngineConfig.create(str(path), kernels="triton", device="cpu", dtype="float32").kernels == "triton"
+    assert kernels_for_model("auto", "triton", HFConfig({"attn_logit_softcapping": 50.0})) == "triton"
+
+
+def test_decode_steps_attend_through_the_cpu_kernel_with_the_cap(gemma_path, monkeypatch):
+    """Capped layers' decode steps now run the C decode kernel (given the cap), and the tokens still follow
+    transformers."""
+    from strata.layers import cpu_attention
+
+    if cpu_attention._library() is None:
+        pytest.skip("no C compiler")
+    caps = []
+    kernel = cpu_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention",
+                        lambda *a, **kw: caps.append(kw.get("softcap")) or kernel(*a, **kw))
+    path = gemma_path("gemma2")
+    outputs = strata_greedy(path, PROMPTS[:2], 6)
+    assert caps and set(caps) == {GEMMA["gemma2"][2]["attn_logit_softcapping"]}
+    assert len(caps) >= 5 * GEMMA["gemma2"][2]["num_hidden_layers"]  # every layer of every decode step
+    assert_matches_transformers(outputs, transformers_generate(path, PROMPTS[:2], 6))
 
 
 def test_windows_follow_transformers_layer_types_and_patterns():

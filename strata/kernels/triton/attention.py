@@ -1,5 +1,7 @@
 """Paged attention in Triton: the KV-cache write, decode attention (split over long contexts) and varlen prefill
-attention of all of a step's chunks in one launch, each beside the plain torch reference it must match.
+attention of all of a step's chunks in one launch, each beside the plain torch reference it must match. Both
+attention kernels take a soft-cap (Gemma 2: scores become softcap * tanh(scores / softcap)) and per-head sinks
+(gpt-oss: float32 [Hq], one more softmax logit per row whose weight is dropped).
 
 Caches are [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is block * block_size + offset.
 On CPU the kernels run only under TRITON_INTERPRET=1 (set before triton is first imported); this module itself
@@ -73,6 +75,19 @@ def _output(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(q.shape, dtype=torch.float32 if _emulated_bf16(q) else q.dtype, device=q.device)
 
 
+def _score_options(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None) -> dict:
+    """The kernels' arguments for soft-capping and sinks: the cap in log2 units, sinks as contiguous float32 (or
+    a stand-in pointer, never read, when there are none)."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"sinks must have one value per query head ({q.shape[1]}), not shape {tuple(sinks.shape)}")
+        sinks = sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
+    return dict(sinks=q if sinks is None else sinks, cap_log2=(softcap or 1.0) * _LOG2E,
+                CAPPED=softcap is not None, HAS_SINKS=sinks is not None)
+
+
 def _tiles(q: torch.Tensor) -> tuple[int, int]:
     """(query rows, keys) per tile: GPU-sized on CUDA (halved in float32, whose tiles take twice the
     registers), small under the interpreter where small tiles keep tests on the paths that cross tiles."""
@@ -119,11 +134,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int) -> in
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, first_keys: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, num_splits: int | None = None) -> torch.Tensor:
+                           scale: float, num_splits: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [S, Hq, D]; block_tables: [S, max_blocks] int32; sequence s attends keys first_keys[s] ..
     seq_lens[s] - 1 (int32), read in place from the caches. Returns [S, Hq, D] in q's dtype. Without
     num_splits it is chosen from the longest context the block tables can hold (no device sync)."""
     _check(q, k_cache, v_cache)
+    options = _score_options(q, softcap, sinks)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = _output(q)
@@ -140,26 +157,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     acc = torch.empty((*partial_shape, dim_pad), dtype=torch.float32, device=q.device)
     kernels = _kernels()
     kernels.decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, first_keys, seq_lens, out, m, denom, acc, scale * _LOG2E,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=_tiles(q)[1], NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q))
+        q, k_cache, v_cache, block_tables, first_keys, seq_lens, out, m, denom, acc, options["sinks"],
+        scale * _LOG2E, options["cap_log2"], q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=_pad(group),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_N=_tiles(q)[1], NUM_SPLITS=num_splits,
+        DOT_F32=_dot_f32(q), CAPPED=options["CAPPED"], HAS_SINKS=options["HAS_SINKS"])
     if num_splits > 1:
         kernels.combine_kernel[(num_seqs, num_heads)](
-            m, denom, acc, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=_next_power_of_2(num_splits))
+            m, denom, acc, options["sinks"], out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=_next_power_of_2(num_splits),
+            HAS_SINKS=options["HAS_SINKS"])
     return out.to(q.dtype)
 
 
 def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                             scale: float, sliding_window: int | None = None, chunk_size: int | None = None
-                             ) -> torch.Tensor:
+                             scale: float, sliding_window: int | None = None, chunk_size: int | None = None,
+                             softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D], the packed queries of B chunks (query_start_loc [B + 1]); seq_lens [B]: each sequence's
     tokens in the cache after this step, its chunk's K/V included, so chunk b's queries sit at positions
     seq_lens[b] - len_b .. seq_lens[b] - 1 and attend causally (within the window / attention chunk) to keys
     read through block_tables [B, max_blocks]. Returns [T, Hq, D] in q's dtype."""
     _check(q, k_cache, v_cache)
+    options = _score_options(q, softcap, sinks)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -170,11 +190,12 @@ def varlen_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         q = q.contiguous()
     block_m, block_n = _tiles(q)
     _kernels().prefill_kernel[(num_tokens // block_m + num_seqs, num_heads)](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, num_seqs, scale * _LOG2E,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=_pad(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, SEQS_PAD=_next_power_of_2(num_seqs),
-        WINDOW=sliding_window or 0, CHUNK=chunk_size or 0, DOT_F32=_dot_f32(q))
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, options["sinks"], num_seqs,
+        scale * _LOG2E, options["cap_log2"], q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        DIM_PAD=_pad(head_dim), BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        SEQS_PAD=_next_power_of_2(num_seqs), WINDOW=sliding_window or 0, CHUNK=chunk_size or 0,
+        DOT_F32=_dot_f32(q), CAPPED=options["CAPPED"], HAS_SINKS=options["HAS_SINKS"])
     return out.to(q.dtype)
 
 
@@ -185,32 +206,40 @@ def _gather_keys(cache: torch.Tensor, table: torch.Tensor, positions: torch.Tens
 
 
 def _attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """q: [Q, Hq, D], k/v: [K, Hkv, D], visible: [Q, K] -> [Q, Hq, D] in float64, softmax in float64."""
+                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [Q, Hq, D], k/v: [K, Hkv, D], visible: [Q, K] -> [Q, Hq, D] in float64, softmax in float64 (over the
+    visible scores and the head's sink, whose column is dropped after)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
+    weights = scores.softmax(dim=-1)[..., : k.shape[0]]
     return torch.einsum("hqk,khd->qhd", weights, v)
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                      block_tables: torch.Tensor, first_keys: torch.Tensor,
-                                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                     seq_lens: torch.Tensor, scale: float, softcap: float | None = None,
+                                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty_like(q)
     for s in range(q.shape[0]):
         positions = torch.arange(int(first_keys[s]), int(seq_lens[s]), device=q.device)
         k = _gather_keys(k_cache, block_tables[s], positions)
         v = _gather_keys(v_cache, block_tables[s], positions)
         visible = torch.ones(1, len(positions), dtype=torch.bool, device=q.device)
-        out[s] = _attend_reference(q[s:s + 1], k, v, visible, scale)[0].to(q.dtype)
+        out[s] = _attend_reference(q[s:s + 1], k, v, visible, scale, softcap, sinks)[0].to(q.dtype)
     return out
 
 
 def varlen_prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                        seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                                       chunk_size: int | None = None) -> torch.Tensor:
+                                       chunk_size: int | None = None, softcap: float | None = None,
+                                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty_like(q)
     for b in range(seq_lens.shape[0]):
         start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
@@ -224,7 +253,7 @@ def varlen_prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v
         seen = visible.any(dim=0)  # keys no query sees may be gone from the cache (garbage)
         k = _gather_keys(k_cache, block_tables[b], keys[seen])
         v = _gather_keys(v_cache, block_tables[b], keys[seen])
-        out[start:end] = _attend_reference(q[start:end], k, v, visible[:, seen], scale).to(q.dtype)
+        out[start:end] = _attend_reference(q[start:end], k, v, visible[:, seen], scale, softcap, sinks).to(q.dtype)
     return out
 
 

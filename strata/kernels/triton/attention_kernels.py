@@ -6,6 +6,8 @@ so tiles need not match the cache's block size. Scores live in log2 units (scale
 online softmax uses exp2. Running maxima start at -1e30 rather than -inf so that a row with no visible key in a
 tile keeps a finite maximum and contributes exp2(-inf) = 0 instead of NaN. With DOT_F32 every product is taken in
 float32 at IEEE precision: float32 inputs, and bfloat16 under the interpreter, whose bfloat16 tl.dot is wrong.
+Soft-capping (CAPPED, Gemma 2) bends each score before the mask; a sink (HAS_SINKS, gpt-oss) is one more logit
+per query head, merged into a row's softmax once, after its last key, with no value behind it.
 """
 import triton
 import triton.language as tl
@@ -34,12 +36,29 @@ def write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_mapping,
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), s and cap in the same (log2) units, with tanh(x) = sign(x) (1 - e) / (1 + e) for
+    e = exp(-2|x|): exp2 of a non-positive argument never overflows (and Triton has no tanh the interpreter runs)."""
+    e = tl.exp2(tl.abs(s) * (-2.0 * 1.4426950408889634 / cap))
+    t = cap * (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t)
+
+
+@triton.jit
+def _add_sink(acc, m, denom, sink):
+    """Merges one more logit `sink` [M] (log2 units, no value behind it) into rows' running softmax."""
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp2(m - m_new)
+    return acc * alpha[:, None], denom * alpha + tl.exp2(sink - m_new)
+
+
+@triton.jit
 def _attend_tile(q, acc, m, denom, k_cache, v_cache, table_row, pos, key_ok, ok, kv_head, dims, dim_ok, scale_log2,
-                 stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                 BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr):
+                 cap_log2, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                 BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr, CAPPED: tl.constexpr):
     """One online-softmax step: rows of q [M, DIM_PAD] against the keys at positions pos [N], of which only
     those with key_ok [N] are read (the rest may be another sequence's blocks, or garbage) and row i sees key j
-    where ok [M, N] (or [1, N])."""
+    where ok [M, N] (or [1, N]). With CAPPED, scores are soft-capped at cap_log2 (the cap in log2 units)."""
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     offset = pos % BLOCK_SIZE
     k = tl.load(k_cache + (block * stride_kb + offset * stride_ko + kv_head * stride_kh)[None, :] + dims[:, None],
@@ -50,7 +69,10 @@ def _attend_tile(q, acc, m, denom, k_cache, v_cache, table_row, pos, key_ok, ok,
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = tl.where(ok, s * scale_log2, float("-inf"))
+    s = s * scale_log2
+    if CAPPED:
+        s = _soft_cap(s, cap_log2)
+    s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -64,13 +86,14 @@ def _attend_tile(q, acc, m, denom, k_cache, v_cache, table_row, pos, key_ok, ok,
 
 @triton.jit
 def decode_kernel(q_ptr, k_cache, v_cache, block_tables, first_keys, seq_lens, out_ptr, m_ptr, denom_ptr, acc_ptr,
-                  scale_log2, stride_qs, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                  stride_bt, stride_os, stride_oh,
+                  sinks_ptr, scale_log2, cap_log2, stride_qs, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb,
+                  stride_vo, stride_vh, stride_bt, stride_os, stride_oh,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  DOT_F32: tl.constexpr):
+                  DOT_F32: tl.constexpr, CAPPED: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (sequence, KV head, split): all GROUP query heads of that KV head over one range of key tiles.
-    One split writes the output; several write their (max, sum, accumulator) for combine_kernel."""
+    One split writes the output (its sinks merged); several write their (max, sum, accumulator) for
+    combine_kernel, which merges the sinks."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -92,10 +115,13 @@ def decode_kernel(q_ptr, k_cache, v_cache, block_tables, first_keys, seq_lens, o
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = (pos >= start) & (pos < end)
         acc, m, denom = _attend_tile(q, acc, m, denom, k_cache, v_cache, table_row, pos, ok, ok[None, :], kv_head,
-                                 dims, dim_ok, scale_log2,
+                                 dims, dim_ok, scale_log2, cap_log2,
                                  stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                                 BLOCK_SIZE, DOT_F32)
+                                 BLOCK_SIZE, DOT_F32, CAPPED)
     if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
+            acc, denom = _add_sink(acc, m, denom, sink)
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -107,10 +133,11 @@ def decode_kernel(q_ptr, k_cache, v_cache, block_tables, first_keys, seq_lens, o
 
 
 @triton.jit
-def combine_kernel(m_ptr, denom_ptr, acc_ptr, out_ptr, stride_os, stride_oh, num_heads,
+def combine_kernel(m_ptr, denom_ptr, acc_ptr, sinks_ptr, out_ptr, stride_os, stride_oh, num_heads,
                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   SPLITS_PAD: tl.constexpr):
-    """Program (sequence, query head): merges the splits' partial softmaxes into the output row."""
+                   SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Program (sequence, query head): merges the splits' partial softmaxes (and the head's sink, a split of one
+    logit and no value) into the output row."""
     seq, head = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -119,20 +146,27 @@ def combine_kernel(m_ptr, denom_ptr, acc_ptr, out_ptr, stride_os, stride_oh, num
     m = tl.load(m_ptr + part, mask=split_ok, other=-1e30)
     denom = tl.load(denom_ptr + part, mask=split_ok, other=0.0)
     acc = tl.load(acc_ptr + part[:, None] * DIM_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
-    weight = tl.exp2(m - tl.max(m, axis=0))  # splits that saw no key have denom = 0 and weigh nothing
+    top = tl.max(m, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(m - top)  # splits that saw no key have denom = 0 and weigh nothing
     total = tl.sum(weight * denom, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
 
 @triton.jit
-def prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out_ptr, num_seqs,
-                   scale_log2, stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
+def prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out_ptr, sinks_ptr, num_seqs,
+                   scale_log2, cap_log2, stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
                    stride_vh, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr,
-                   WINDOW: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr):
+                   WINDOW: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr, CAPPED: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
     """Program (query tile, query head). Sequence b owns tiles from query_start_loc[b] // BLOCK_M + b on, at
     least as many as its chunk needs, so a grid of T // BLOCK_M + B tiles covers every chunk without the host
     knowing their lengths; tiles past a chunk's end exit at once."""
@@ -176,8 +210,11 @@ def prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start_loc, seq_l
             ok = ok & (pos[None, :] // CHUNK == q_pos[:, None] // CHUNK)
         key_ok = (pos >= first_key) & (pos < end_key)
         acc, m, denom = _attend_tile(q, acc, m, denom, k_cache, v_cache, table_row, pos, key_ok, ok, head // GROUP,
-                                 dims, dim_ok, scale_log2, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
-                                 stride_vh, BLOCK_SIZE, DOT_F32)
+                                 dims, dim_ok, scale_log2, cap_log2, stride_kb, stride_ko, stride_kh, stride_vb,
+                                 stride_vo, stride_vh, BLOCK_SIZE, DOT_F32, CAPPED)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        acc, denom = _add_sink(acc, m, denom, tl.full([BLOCK_M], 0.0, tl.float32) + sink)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])

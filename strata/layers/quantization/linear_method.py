@@ -17,9 +17,10 @@ from strata.layers.moe import FusedMoE
 from strata.layers.quantization.formats import Canonical, layouts, to_canonical
 from strata.layers.quantization.gguf_method import quantize_gguf
 from strata.layers.quantization.moe_method import quantize_experts
+from strata.layers.quantization.mxfp4 import mxfp4_experts
 from strata.layers.quantization.stored import load_stored, local_shape
 from strata.layers.quantization.weight_only import QuantizedWeight, pack_fp8, pack_weight, weight_only_linear
-from strata.quant_config import FP8, INT8_W8A8, GGUFQuantConfig, LinearScheme, QuantConfig
+from strata.quant_config import FP8, INT8_W8A8, GGUFQuantConfig, LinearScheme, MXFP4QuantConfig, QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +110,15 @@ def checkpoint_module_names(name: str, stacked: Iterable[tuple[str, str, object]
     return [p.rstrip(".") for p in parts] or [name]
 
 
-def quantize_linears(model: nn.Module, quant: QuantConfig | GGUFQuantConfig,
+def quantize_linears(model: nn.Module, quant: QuantConfig | GGUFQuantConfig | MXFP4QuantConfig,
                      stacked: Iterable[tuple[str, str, object]], checkpoint_prefix: str = "") -> None:
     """Give every linear layer (and every routed expert's projections) the checkpoint stores quantized its
     scheme's tensors; ignored ones stay as they are. The config names layers as the checkpoint does: module
     names with `checkpoint_prefix` before them."""
     stacked = list(stacked)
+    if isinstance(quant, MXFP4QuantConfig):
+        quantize_mxfp4_experts(model, quant, checkpoint_prefix)
+        return
     if isinstance(quant, GGUFQuantConfig):
         quantize_gguf(model, quant, lambda name: checkpoint_module_names(checkpoint_prefix + name, stacked))
         return
@@ -135,6 +139,19 @@ def quantize_linears(model: nn.Module, quant: QuantConfig | GGUFQuantConfig,
             counts["quantized" if scheme else "left as stored"] += 1
     logger.info("%s checkpoint: %d linear layers quantized, %d left as stored", quant.method,
                 counts["quantized"], counts["left as stored"])
+
+
+def quantize_mxfp4_experts(model: nn.Module, quant: MXFP4QuantConfig, checkpoint_prefix: str) -> None:
+    """MXFP4 checkpoints (gpt-oss) quantize the routed experts alone; every other layer is stored as it runs."""
+    experts = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedMoE)]
+    if not experts:
+        raise ConfigError(f"quantization_config.quant_method mxfp4: strata reads MXFP4 routed experts (gpt-oss); "
+                          f"{type(model).__name__} has none", param="quantization")
+    for name, moe in experts:
+        if quant.experts_quantized(checkpoint_prefix + name):
+            mxfp4_experts(moe, name)
+    logger.info("mxfp4 checkpoint: %d expert layers stored as MXFP4",
+                sum(moe.quant is not None for _, moe in experts))
 
 
 def finish_quantized(model: nn.Module) -> None:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from strata.server.tool_parsers import granite, hermes, llama3_json, llama4_pythonic, mistral
+from strata.server.tool_parsers import granite, hermes, llama3_json, llama4_pythonic, mistral, openai
 from strata.server.tool_parsers.base import ParsedCall, ToolParser, leftover, openai_call_id
 
 __all__ = ["ParsedCall", "ToolParser", "leftover", "tool_parsers", "tool_call_markers", "tool_call_ids",
            "TOOL_CALL_PARSERS"]
 
 _MODULES = {"llama3_json": llama3_json, "llama4_pythonic": llama4_pythonic, "hermes": hermes, "mistral": mistral,
-            "granite": granite}
+            "granite": granite, "openai": openai}
 TOOL_CALL_PARSERS = tuple(_MODULES)
 
 

@@ -176,3 +176,82 @@ def test_write_kv_on_cuda_matches_reference():
     kernels.write_kv(k, v, caches[0], caches[1], slots)
     kernels.write_kv_reference(k, v, expected[0], expected[1], slots)
     assert torch.equal(caches, expected)
+
+
+def reference_rows(q, k_cache, v_cache, table, query_positions, first_key, scale, window, softcap, sinks):
+    """float64, written per query row: the row's visible keys listed one by one through the block table, scores
+    soft-capped, the head's sink appended as one more logit, softmax, the sink's weight dropped."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row, position in enumerate(query_positions):
+        keys = [t for t in range(first_key, position + 1) if window is None or position - t < window]
+        slots = [int(table[t // block_size]) * block_size + t % block_size for t in keys]
+        k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [K, Hq, D]
+        v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[row].double(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+        out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1)[:, : len(keys)], v)
+    return out
+
+
+# Sinks spread around the scores' range: some heads give most of a row's weight to the sink.
+SINKS = torch.tensor([-3.0, 0.5, 2.0, 6.0])
+SCORE_CASES = [(2.0, None), (None, SINKS), (2.0, SINKS)]
+
+
+@pytest.mark.parametrize("softcap,sinks", SCORE_CASES, ids=["cap", "sinks", "both"])
+@pytest.mark.parametrize("num_kv_heads,window,num_splits", [(4, None, 1), (2, None, 3), (2, 7, 1), (1, 20, 2)])
+def test_decode_applies_soft_caps_and_sinks(softcap, sinks, num_kv_heads, window, num_splits):
+    seq_lens = [1, 13, 70]
+    first_keys = [_first_visible(n - 1, window, None) for n in seq_lens]
+    k_cache, v_cache, tables = _paged_cache(seq_lens, first_keys, 4, num_kv_heads, 16, torch.float32, "cpu")
+    q = 3 * torch.randn(len(seq_lens), 4, 16, generator=torch.Generator().manual_seed(1))  # scores past the cap
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(first_keys, dtype=torch.int32),
+                                         lens, 0.25, num_splits=num_splits, softcap=softcap, sinks=sinks)
+    expected = torch.cat([reference_rows(q[s:s + 1], k_cache, v_cache, tables[s], [n - 1], first_keys[s], 0.25,
+                                         window, softcap, sinks) for s, n in enumerate(seq_lens)])
+    _assert_close(out, expected)
+
+
+@pytest.mark.parametrize("softcap,sinks", SCORE_CASES, ids=["cap", "sinks", "both"])
+@pytest.mark.parametrize("num_kv_heads,window", [(4, None), (2, None), (1, 6)])
+def test_prefill_applies_soft_caps_and_sinks_with_cached_context(softcap, sinks, num_kv_heads, window):
+    query_lens, contexts = [19, 5, 1], [0, 37, 12]  # a first chunk and two continued ones
+    seq_lens = [c + n for c, n in zip(contexts, query_lens, strict=True)]
+    hidden = [_first_visible(c, window, None) for c in contexts]
+    k_cache, v_cache, tables = _paged_cache(seq_lens, hidden, 4, num_kv_heads, 16, torch.float32, "cpu")
+    q = 3 * torch.randn(sum(query_lens), 4, 16, generator=torch.Generator().manual_seed(1))
+    starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = kernels.varlen_prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.25, window, None,
+                                           softcap=softcap, sinks=sinks)
+    expected = torch.cat([reference_rows(q[int(starts[b]):int(starts[b + 1])], k_cache, v_cache, tables[b],
+                                         range(contexts[b], seq_lens[b]), 0, 0.25, window, softcap, sinks)
+                          for b in range(len(seq_lens))])
+    _assert_close(out, expected)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_half_precision_kernels_apply_soft_caps_and_sinks(kind):
+    sinks = SINKS.bfloat16()  # a model cast whole to bfloat16: the kernels read the sinks as float32
+    if kind == "decode":
+        seq_lens, first_keys = [5, 70], [0, 0]
+        k_cache, v_cache, tables = _paged_cache(seq_lens, first_keys, 8, 2, 16, torch.bfloat16, "cpu")
+        q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+        lens, firsts = torch.tensor(seq_lens, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, firsts, lens, 0.25, num_splits=2,
+                                             softcap=1.0, sinks=sinks)
+        expected = kernels.paged_decode_attention_reference(q, k_cache, v_cache, tables, firsts, lens, 0.25, 1.0, sinks)
+    else:
+        k_cache, v_cache, tables = _paged_cache([57], [0], 8, 2, 16, torch.bfloat16, "cpu")
+        q = torch.randn(17, 4, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+        starts, lens = torch.tensor([0, 17], dtype=torch.int32), torch.tensor([57], dtype=torch.int32)
+        out = kernels.varlen_prefill_attention(q, k_cache, v_cache, tables, starts, lens, 0.25, softcap=1.0,
+                                               sinks=sinks)
+        expected = kernels.varlen_prefill_attention_reference(q, k_cache, v_cache, tables, starts, lens, 0.25,
+                                                              softcap=1.0, sinks=sinks)
+    _assert_close(out, expected)
