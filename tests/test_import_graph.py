@@ -26,7 +26,7 @@ LEVELS: list[tuple[str, list[str]]] = [
                       "strata.engine_args", "strata.model_registry", "strata.hf_config", "strata.tp_rules",
                       "strata.layout_rules",
                       "strata.quant_config", "strata.model_source", "strata.hub", "strata.reasoning",
-                      "strata.speculative_config", "strata.gguf"]),
+                      "strata.speculative_config", "strata.gguf", "strata.harmony"]),
 ]
 
 
