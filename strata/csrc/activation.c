@@ -1,6 +1,7 @@
-/* SwiGLU's silu(gate) * up for the few rows of a decode step on CPU (float32, or bfloat16 with float32 math
-   rounded where torch rounds: after silu and after the product). Built on first use by strata/native.py, called
-   from strata/layers/activation.py; larger batches stay on torch's vectorized, threaded ops. */
+/* SwiGLU's silu(gate) * up, and Gemma's gelu_tanh(gate) * up, for the few rows of a decode step on CPU (float32, or
+   bfloat16 with float32 math rounded where torch rounds: after the activation and after the product). Built on
+   first use by strata/native.py, called from strata/layers/activation.py; larger batches stay on torch's
+   vectorized, threaded ops. */
 #include <stdint.h>
 #include <string.h>
 
@@ -27,4 +28,29 @@ DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 void silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int bf16) {
     if (bf16) silu_mul_bf16(gate_up, out, rows, width);
     else silu_mul_f32(gate_up, out, rows, width);
+}
+
+/* 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3): torch's approximate="tanh", written as
+   g / (1 + e^(-2u)), the same value without 1 + tanh(u)'s cancellation for negative gates, in a loop that
+   vectorizes (fast_exp clamps e^(-2u) for large |u|). */
+#define DEFINE_GELU_TANH_MUL(NAME, T, LOAD, STORE)                                                             \
+    static void NAME(const T *gate_up, T *out, int64_t rows, int64_t width) {                                  \
+        for (int64_t r = 0; r < rows; r++) {                                                                   \
+            const T *gate = gate_up + r * 2 * width, *up = gate + width;                                       \
+            T *o = out + r * width;                                                                            \
+            _Pragma("omp simd") for (int64_t i = 0; i < width; i++) {                                          \
+                const float g = LOAD(gate[i]);                                                                 \
+                const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);                             \
+                o[i] = STORE(LOAD(STORE(g / (1.f + fast_exp(-2.f * u)))) * LOAD(up[i]));                       \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
+DEFINE_GELU_TANH_MUL(gelu_tanh_mul_f32, float, same, same)
+DEFINE_GELU_TANH_MUL(gelu_tanh_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* gate_up: [rows, 2 * width] (gate then up, contiguous); out: [rows, width]. */
+void gelu_tanh_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int bf16) {
+    if (bf16) gelu_tanh_mul_bf16(gate_up, out, rows, width);
+    else gelu_tanh_mul_f32(gate_up, out, rows, width);
 }

@@ -137,18 +137,6 @@ int scored_decode_attention(const void *q, void *k_cache, void *v_cache, const i
     return failed ? -1 : 0;
 }
 
-/* scored_decode_attention without soft-capping or sinks, under the signature that the fused decode path
-   (decode_layer.c) calls through its function pointer. */
-int paged_decode_attention(const void *q, void *k_cache, void *v_cache, const int32_t *block_tables,
-                           const int32_t *first_keys, const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                           float scale, void *out, int num_threads, int is_bf16, const void *new_k,
-                           const void *new_v, int64_t new_stride, const int64_t *slots) {
-    return scored_decode_attention(q, k_cache, v_cache, block_tables, first_keys, seq_lens, num_seqs, num_heads,
-                                   num_kv_heads, head_dim, block_size, max_blocks, scale, out, num_threads, is_bf16,
-                                   new_k, new_v, new_stride, slots, 0.f, NULL);
-}
-
 /* Zero blocks `blocks[0..n_blocks)` ([block_bytes] each) of every cache: the caches' fresh blocks of a step in one
    call instead of an index_fill_ per layer and cache. */
 void zero_blocks(void *const *caches, int64_t n_caches, const int64_t *blocks, int64_t n_blocks,

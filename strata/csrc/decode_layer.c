@@ -23,7 +23,7 @@ typedef int (*rows_fn)(const void *, int64_t, int, int64_t, const int64_t *, int
 typedef void (*silu_fn)(const void *, void *, int64_t, int64_t, int);
 typedef int (*attention_fn)(const void *, void *, void *, const int32_t *, const int32_t *, const int32_t *, int64_t,
                             int64_t, int64_t, int64_t, int64_t, int64_t, float, void *, int, int, const void *,
-                            const void *, int64_t, const int64_t *);
+                            const void *, int64_t, const int64_t *, float, const float *);
 
 typedef struct {
     weight_only_fn weight_only;
@@ -34,6 +34,7 @@ typedef struct {
     attention_fn attention;
     norm_heads_fn norm_heads;
     rows_fn rows; /* rows of a table in ggml blocks (a GGUF embedding) */
+    silu_fn gelu; /* gelu_tanh(gate) * up, the silu's signature */
 } kernels_t;
 
 /* One linear layer as a kernel reads it: oneDNN's blocked layout (blocked_matmul) or rows of float32, bfloat16,
@@ -51,7 +52,10 @@ typedef struct linear_s {
 } linear_t;
 
 /* q/k norms over each head (NULL: none), the rotated leading dimensions of a head (partial rotary), the scale of
-   the block's output before the residual add, and which of the step's key ranges (sliding window) it reads. */
+   the block's output before the residual add, and which of the step's key ranges (sliding window) it reads; the
+   scores' soft cap (0: none) and one sink logit per head (NULL: none); a norm of the block's output (NULL: none;
+   Gemma's norms after each block, which TP > 1 leaves to the modules: it must follow the all-reduce); `rope`, which
+   of the step's rotary tables it turns q and k by (Gemma 3's local and global layers have their own bases). */
 typedef struct {
     const float *norm_weight;
     float eps;
@@ -63,14 +67,23 @@ typedef struct {
     float qk_eps;
     int64_t rotary_dim, ranges;
     float out_scale;
+    float softcap;
+    const float *sinks;
+    const float *out_norm;
+    float out_eps;
+    int64_t rope;
 } attention_block_t;
 
+/* gelu: gate with tanh-approximated GELU instead of SiLU; out_norm as the attention block's. */
 typedef struct {
     const float *norm_weight;
     float eps;
     int64_t hidden, intermediate;
     linear_t gate_up, down;
     float out_scale;
+    int64_t gelu;
+    const float *out_norm;
+    float out_eps;
 } mlp_block_t;
 
 /* The keys a step's tokens see through one kind of attention (full, or one sliding window). */
@@ -82,7 +95,7 @@ typedef struct {
 /* What every layer of one decode step shares. */
 typedef struct {
     int64_t tokens;
-    const float *cos, *sin; /* [tokens, rotary_dim / 2] */
+    const float *cos, *sin; /* [rotaries, tokens, rotary_dim / 2]: one table per rotary embedding of the layers */
     const key_ranges_t *ranges;
     const int64_t *slots;
     int64_t threads;
@@ -144,6 +157,13 @@ static void scale_rows(float *x, int64_t n, float by) {
         for (int64_t i = 0; i < n; i++) x[i] *= by;
 }
 
+/* A block's output: scaled, then normalized in place when the layer norms its blocks' outputs. */
+static void finish_block(const kernels_t *kn, float *out, int64_t t, int64_t hidden, float scale,
+                         const float *norm_weight, float eps) {
+    scale_rows(out, t * hidden, scale);
+    if (norm_weight) kn->rms_norm(out, NULL, norm_weight, out, NULL, t, hidden, eps, 0);
+}
+
 int attention_block(const kernels_t *kn, const attention_block_t *b, const decode_step_t *step, const float *x,
                     float *residual, int first, float *scratch, float *out) {
     const int64_t t = step->tokens, q_width = b->num_heads * b->head_dim, kv_width = b->num_kv_heads * b->head_dim;
@@ -158,20 +178,24 @@ int attention_block(const kernels_t *kn, const attention_block_t *b, const decod
         kn->norm_heads(qkv, t, b->num_heads, b->head_dim, row, b->q_norm, b->qk_eps, 0);
         kn->norm_heads(qkv + q_width, t, b->num_kv_heads, b->head_dim, row, b->k_norm, b->qk_eps, 0);
     }
-    kn->rope(qkv, t, b->num_heads, b->head_dim, b->rotary_dim, row, step->cos, step->sin, 0);
-    kn->rope(qkv + q_width, t, b->num_kv_heads, b->head_dim, b->rotary_dim, row, step->cos, step->sin, 0);
+    const int64_t table = b->rope * t * (b->rotary_dim / 2);
+    const float *cos = step->cos + table, *sin = step->sin + table;
+    kn->rope(qkv, t, b->num_heads, b->head_dim, b->rotary_dim, row, cos, sin, 0);
+    kn->rope(qkv + q_width, t, b->num_kv_heads, b->head_dim, b->rotary_dim, row, cos, sin, 0);
     for (int64_t i = 0; i < t; i++) memcpy(q + i * q_width, qkv + i * row, (size_t)q_width * sizeof(float));
     status = kn->attention(q, b->k_cache, b->v_cache, keys->block_tables, keys->first_keys, keys->seq_lens, t,
                            b->num_heads, b->num_kv_heads, b->head_dim, b->block_size, keys->max_blocks, b->scale,
-                           attn, threads, 0, qkv + q_width, qkv + q_width + kv_width, row, step->slots);
+                           attn, threads, 0, qkv + q_width, qkv + q_width + kv_width, row, step->slots, b->softcap,
+                           b->sinks);
     if (status) return status;
     status = run_linear(kn, &b->o, attn, t, out, threads);
-    scale_rows(out, t * b->hidden, b->out_scale);
-    return status;
+    if (status) return status;
+    finish_block(kn, out, t, b->hidden, b->out_scale, b->out_norm, b->out_eps);
+    return 0;
 }
 
-/* out [T, hidden] = down(silu(gate) * up) of norm(x + residual), the residual updated in place. scratch: [T, hidden]
-   normed, [T, 2 * intermediate] gate and up, [T, intermediate] activation. */
+/* out [T, hidden] = down(silu(gate) * up) (or GELU's) of norm(x + residual), the residual updated in place.
+   scratch: [T, hidden] normed, [T, 2 * intermediate] gate and up, [T, intermediate] activation. */
 int mlp_block(const kernels_t *kn, const mlp_block_t *b, const decode_step_t *step, const float *x, float *residual,
               float *scratch, float *out) {
     const int64_t t = step->tokens;
@@ -180,10 +204,11 @@ int mlp_block(const kernels_t *kn, const mlp_block_t *b, const decode_step_t *st
     pre_norm(kn, x, residual, 0, b->norm_weight, b->eps, t, b->hidden, normed);
     int status = run_linear(kn, &b->gate_up, normed, t, gate_up, threads);
     if (status) return status;
-    kn->silu(gate_up, act, t, b->intermediate, 0);
+    (b->gelu ? kn->gelu : kn->silu)(gate_up, act, t, b->intermediate, 0);
     status = run_linear(kn, &b->down, act, t, out, threads);
-    scale_rows(out, t * b->hidden, b->out_scale);
-    return status;
+    if (status) return status;
+    finish_block(kn, out, t, b->hidden, b->out_scale, b->out_norm, b->out_eps);
+    return 0;
 }
 
 /* Layers [0, n) of a stage, one after the other: x (or, when not first, x + residual) through each layer's
@@ -206,18 +231,19 @@ int decode_layers(const kernels_t *kn, const attention_block_t *attention, const
 }
 
 /* What a single-stage model adds around its layers: the embedding table (float32 or bfloat16 rows), the rotary
-   cos and sin of every position up to `rope_rows` ([rope_rows, rope_half] each, looked up instead of computed so
-   that they are the values the modules use), the final norm and the LM head. */
+   cos and sin of every position up to `rope_rows` ([ropes, rope_rows, rope_half] each: a table per rotary embedding,
+   looked up instead of computed so that they are the values the modules use), the final norm and the LM head. */
 typedef struct {
     const void *table;
     int64_t vocab, bf16;
     const float *rope_cos, *rope_sin;
-    int64_t rope_rows, rope_half;
+    int64_t rope_rows, rope_half, ropes;
     const float *final_norm;
     float final_eps;
     linear_t head;
     int64_t table_kind, table_row_bytes; /* a table in ggml blocks: its kernel kind (0: float32 or bfloat16 rows) */
     float embed_scale, logits_divisor;   /* embeddings times, logits divided by (1: none) */
+    float final_softcap;                 /* logits become cap * tanh(logits / cap) (0: none) */
 } decode_model_t;
 
 /* Each row's first largest value, a NaN counting as the largest (torch's and numpy's argmax). */
@@ -239,7 +265,8 @@ static void first_argmax(const float *rows, int64_t t, int64_t n, int64_t *out) 
 
 /* A decode step of T tokens through the whole model: logits [T, vocab] and each row's argmax. `step` gives the
    step's key ranges and slots (its cos and sin are filled here from the tables); scratch holds four [T, hidden]
-   rows (input, residual, attention output, MLP output), the step's cos and sin, then what the layers need.
+   rows (input, residual, attention output, MLP output), the step's cos and sin of each rotary table, then what the
+   layers need.
    Returns 0, -2 for a token id outside the table, -3 for a position past the rotary tables, or the failing
    kernel's status. */
 int decode_forward(const kernels_t *kn, const attention_block_t *attention, const mlp_block_t *mlp, int64_t n,
@@ -247,7 +274,7 @@ int decode_forward(const kernels_t *kn, const attention_block_t *attention, cons
                    const int64_t *positions, float *scratch, float *logits, int64_t *argmax) {
     const int64_t t = step->tokens, hidden = mlp[0].hidden, half = m->rope_half;
     float *x = scratch, *residual = x + t * hidden, *attn_out = residual + t * hidden, *out = attn_out + t * hidden;
-    float *cos = out + t * hidden, *sin = cos + t * half, *rest = sin + t * half;
+    float *cos = out + t * hidden, *sin = cos + m->ropes * t * half, *rest = sin + m->ropes * t * half;
     for (int64_t i = 0; i < t; i++) {
         if (token_ids[i] < 0 || token_ids[i] >= m->vocab) return -2;
         if (positions[i] < 0 || positions[i] >= m->rope_rows) return -3;
@@ -262,8 +289,11 @@ int decode_forward(const kernels_t *kn, const attention_block_t *attention, cons
             memcpy(x + i * hidden, (const float *)m->table + token_ids[i] * hidden, (size_t)hidden * sizeof(float));
         }
         scale_rows(x + i * hidden, hidden, m->embed_scale);
-        memcpy(cos + i * half, m->rope_cos + positions[i] * half, (size_t)half * sizeof(float));
-        memcpy(sin + i * half, m->rope_sin + positions[i] * half, (size_t)half * sizeof(float));
+        for (int64_t r = 0; r < m->ropes; r++) {
+            const int64_t from = (r * m->rope_rows + positions[i]) * half, to = (r * t + i) * half;
+            memcpy(cos + to, m->rope_cos + from, (size_t)half * sizeof(float));
+            memcpy(sin + to, m->rope_sin + from, (size_t)half * sizeof(float));
+        }
     }
     decode_step_t own = *step;
     own.cos = cos;
@@ -275,6 +305,9 @@ int decode_forward(const kernels_t *kn, const attention_block_t *attention, cons
     if (status) return status;
     if (m->logits_divisor != 1.f)
         for (int64_t i = 0; i < t * m->head.n; i++) logits[i] /= m->logits_divisor;
+    const float cap = m->final_softcap;
+    if (cap != 0.f)
+        for (int64_t i = 0; i < t * m->head.n; i++) logits[i] = tanhf(logits[i] / cap) * cap;
     first_argmax(logits, t, m->head.n, argmax);
     return 0;
 }

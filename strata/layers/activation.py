@@ -17,16 +17,34 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return native.bind("activation", {"silu_and_mul": ([PTR, PTR, I64, I64, I32], None)})
+    signature = ([PTR, PTR, I64, I64, I32], None)
+    return native.bind("activation", {"silu_and_mul": signature, "gelu_tanh_and_mul": signature})
+
+
+def _kernel(name: str, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """The C kernel's [gate | up] -> activation(gate) * up, or None when the rows are not a decode step's."""
+    if (gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.shape[0] <= KERNEL_ROWS
+            and gate_up.dtype in _DTYPES and gate_up.is_contiguous() and _library() is not None):
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+        getattr(_library(), name)(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
+                                  _DTYPES[gate_up.dtype])
+        return out
+    return None
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [gate | up] tensor."""
-    if (gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.shape[0] <= KERNEL_ROWS
-            and gate_up.dtype in _DTYPES and gate_up.is_contiguous() and _library() is not None):
-        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-        _library().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
-                                _DTYPES[gate_up.dtype])
+    out = _kernel("silu_and_mul", gate_up)
+    if out is not None:
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gate: tanh-approximated GELU of the gate half times the up half."""
+    out = _kernel("gelu_tanh_and_mul", gate_up)
+    if out is not None:
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -21,7 +21,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     return native.bind("cpu_attention", {
-        # paged_decode_attention (the same without the last two arguments) is left to the fused decode path.
+        # The fused decode path (decode_layer.c) calls scored_decode_attention through a pointer too.
         "scored_decode_attention": ([PTR] * 6 + [I64] * 6 + [F32, PTR, I32, I32, PTR, PTR, I64, PTR, F32, PTR], I32),
         "zero_blocks": ([PTR, I64, PTR, I64, I64], None)})
 

@@ -3,7 +3,8 @@
 layer's dozen Python-level calls cost more than its arithmetic (about 0.35 ms a layer on a 2-core CPU).
 
 A model's layer says what it is made of (`DecoderBlocks`: norms, projections with their biases, q/k norms, rotary
-with its rotated dimensions, the attention and its window, output scales); nothing here knows an architecture.
+with its rotated dimensions, the attention with its window, soft cap and sinks, output scales or norms, the MLP's
+gate); nothing here knows an architecture.
 `FusedDecodeLayer.serves` says whether a step can take it: float32 activations on CPU, a decode-only step of the
 plain-torch attention path, few enough tokens for every linear's small-batch kernel, and weights those kernels read
 (oneDNN-packed or plain float, int4 / int8 / FP8 weight-only, ggml blocks). A feed-forward block other than a SwiGLU
@@ -23,7 +24,7 @@ from strata import native
 from strata.layers import activation, cpu_attention, norm, onednn_weights, rotary
 from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.linear import SMALL_BATCH_DENSE, PackableLinear, small_batch_rows
-from strata.layers.norm import RMSNorm
+from strata.layers.norm import GemmaRMSNorm, RMSNorm
 from strata.layers.quantization import cpu_matmul, gguf_quants
 from strata.layers.quantization import weight_only as weight_only_module
 from strata.layers.quantization.gguf_method import GGUFMethod
@@ -36,8 +37,9 @@ I64, F32 = ctypes.c_int64, ctypes.c_float
 @dataclass(frozen=True)
 class DecoderBlocks:
     """A pre-norm decoder layer as the CPU decode path reads it: x -> input_norm -> qkv_proj -> (q_norm, k_norm per
-    head) -> rotary -> attn -> o_proj (x output_scale), then post_attention_norm -> a SwiGLU MLP (gate_up_proj,
-    down_proj; x output_scale) or, when those are None, `feed_forward` run as modules (its output scaled already)."""
+    head) -> rotary -> attn -> o_proj (x output_scale, then attention_out_norm), then post_attention_norm -> a gated
+    MLP (gate_up_proj, SiLU or with `gelu` tanh-GELU, down_proj; x output_scale, then mlp_out_norm) or, when those
+    are None, `feed_forward` run as modules (its output finished already). The out norms are Gemma's "sandwich"."""
 
     input_norm: RMSNorm
     qkv_proj: PackableLinear
@@ -51,11 +53,14 @@ class DecoderBlocks:
     down_proj: PackableLinear | None
     feed_forward: Callable[[torch.Tensor], torch.Tensor]
     output_scale: float = 1.0
+    attention_out_norm: RMSNorm | None = None
+    mlp_out_norm: RMSNorm | None = None
+    gelu: bool = False
 
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, PTR) for name in ("weight_only", "blocked", "rms_norm", "rope", "silu", "attention",
-                                         "norm_heads", "rows")]
+                                         "norm_heads", "rows", "gelu")]
 
 
 class _Linear(ctypes.Structure):
@@ -72,12 +77,13 @@ class _AttentionBlock(ctypes.Structure):
     _fields_ = [("norm_weight", PTR), ("eps", F32), ("hidden", I64), ("num_heads", I64), ("num_kv_heads", I64),
                 ("head_dim", I64), ("block_size", I64), ("scale", F32), ("qkv", _Linear), ("o", _Linear),
                 ("k_cache", PTR), ("v_cache", PTR), ("q_norm", PTR), ("k_norm", PTR), ("qk_eps", F32),
-                ("rotary_dim", I64), ("ranges", I64), ("out_scale", F32)]
+                ("rotary_dim", I64), ("ranges", I64), ("out_scale", F32), ("softcap", F32), ("sinks", PTR),
+                ("out_norm", PTR), ("out_eps", F32), ("rope", I64)]
 
 
 class _MlpBlock(ctypes.Structure):
     _fields_ = [("norm_weight", PTR), ("eps", F32), ("hidden", I64), ("intermediate", I64), ("gate_up", _Linear),
-                ("down", _Linear), ("out_scale", F32)]
+                ("down", _Linear), ("out_scale", F32), ("gelu", I64), ("out_norm", PTR), ("out_eps", F32)]
 
 
 class _KeyRanges(ctypes.Structure):
@@ -107,8 +113,9 @@ def _kernels() -> _Kernels | None:
     sources = {"weight_only": (cpu_matmul._library, "weight_only_matmul"),
                "blocked": (onednn_weights._library, "blocked_matmul"), "rms_norm": (norm._library, "rms_norm"),
                "rope": (rotary._library, "rope_half_split"), "silu": (activation._library, "silu_and_mul"),
-               "attention": (cpu_attention._library, "paged_decode_attention"),
-               "norm_heads": (norm._library, "rms_norm_heads"), "rows": (cpu_matmul._library, "weight_rows")}
+               "attention": (cpu_attention._library, "scored_decode_attention"),
+               "norm_heads": (norm._library, "rms_norm_heads"), "rows": (cpu_matmul._library, "weight_rows"),
+               "gelu": (activation._library, "gelu_tanh_and_mul")}
     addresses = {}
     for field, (library, name) in sources.items():
         lib = library()
@@ -182,8 +189,25 @@ def is_decode_step(meta: object, rows: int) -> bool:
         and meta.slot_mapping.device.type == "cpu"
 
 
-def _float32(*norms: RMSNorm | None) -> bool:
-    return all(n is None or (type(n).forward is RMSNorm.forward and n.weight.dtype == torch.float32) for n in norms)
+def norm_kernel_weight(n: RMSNorm) -> torch.Tensor:
+    """The float32 weight the C norm multiplies by: the norm's own, or Gemma's 1 + w (made here, once per
+    description: in float32, as GemmaRMSNorm adds it)."""
+    return (1.0 + n.weight.float()) if isinstance(n, GemmaRMSNorm) else n.weight
+
+
+def _kernel_weight(n: RMSNorm | None, keep: list) -> int | None:
+    """The address of `norm_kernel_weight(n)`, None for no norm; keeps what it points to."""
+    if n is None:
+        return None
+    weight = norm_kernel_weight(n)
+    keep.append(weight)
+    return weight.data_ptr()
+
+
+def kernel_norms(*norms: nn.Module | None) -> bool:
+    """Norms the C kernel computes as their modules do: float32 weights, RMSNorm's or GemmaRMSNorm's forward."""
+    return all(n is None or (type(n).forward in (RMSNorm.forward, GemmaRMSNorm.forward)
+                             and n.weight.dtype == torch.float32) for n in norms)
 
 
 class Plan:
@@ -208,16 +232,18 @@ class Plan:
         return tokens * max(attention, mlp)
 
 
-def describe(b: DecoderBlocks, ranges: int) -> Plan | None:
-    """The layer's blocks as the C calls read them (`ranges`: the index of its attention's key ranges in the
-    step), or None when one of its parts needs the modules' path."""
-    attn = b.attn
-    if not attn.plain:  # the C attention has no soft-capping nor sinks: its scores would be wrong
-        return None
+def describe(b: DecoderBlocks, ranges: int, rope: int = 0) -> Plan | None:
+    """The layer's blocks as the C calls read them (`ranges`, `rope`: the indices of its attention's key ranges and
+    of its rotary's tables in the step), or None when one of its parts needs the modules' path."""
+    attn, out_norms = b.attn, (b.attention_out_norm, b.mlp_out_norm)
     if _library() is None or _kernels() is None or b.rotary.interleaved or attn.k_cache.dtype != torch.float32 \
-            or not _float32(b.input_norm, b.post_attention_norm, b.q_norm, b.k_norm):
+            or not kernel_norms(b.input_norm, b.post_attention_norm, b.q_norm, b.k_norm, *out_norms):
         return None
-    keep: list = [n.weight for n in (b.input_norm, b.post_attention_norm, b.q_norm, b.k_norm) if n is not None]
+    if b.o_proj.pc.tp_size > 1 and any(out_norms):  # a norm of a block's output must follow its all-reduce
+        return None
+    if attn.sinks is not None and attn.sinks.dtype != torch.float32:
+        return None
+    keep: list = [] if attn.sinks is None else [attn.sinks]
     first_rank = b.o_proj.pc.tp_rank == 0
     linears = [describe_linear(b.qkv_proj, b.qkv_proj.bias, keep),
                describe_linear(b.o_proj, b.o_proj.bias if first_rank else None, keep)]
@@ -228,33 +254,41 @@ def describe(b: DecoderBlocks, ranges: int) -> Plan | None:
         return None
     max_rows = min([rows for _, rows in linears] + [norm.KERNEL_ROWS, rotary.KERNEL_TOKENS, activation.KERNEL_ROWS])
     hidden = b.input_norm.weight.shape[0]
+    attention_out, mlp_out = b.attention_out_norm, b.mlp_out_norm
     attention = _AttentionBlock(
-        norm_weight=b.input_norm.weight.data_ptr(), eps=b.input_norm.eps, hidden=hidden, num_heads=attn.num_heads,
-        num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, block_size=attn.k_cache.shape[1], scale=attn.scale,
-        qkv=linears[0][0], o=linears[1][0], k_cache=attn.k_cache.data_ptr(), v_cache=attn.v_cache.data_ptr(),
-        q_norm=_ptr(b.q_norm and b.q_norm.weight), k_norm=_ptr(b.k_norm and b.k_norm.weight),
-        qk_eps=b.q_norm.eps if b.q_norm else 0.0, rotary_dim=b.rotary.rotary_dim, ranges=ranges,
-        out_scale=b.output_scale)
+        norm_weight=_kernel_weight(b.input_norm, keep), eps=b.input_norm.eps, hidden=hidden,
+        num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+        block_size=attn.k_cache.shape[1], scale=attn.scale, qkv=linears[0][0], o=linears[1][0],
+        k_cache=attn.k_cache.data_ptr(), v_cache=attn.v_cache.data_ptr(), q_norm=_kernel_weight(b.q_norm, keep),
+        k_norm=_kernel_weight(b.k_norm, keep), qk_eps=b.q_norm.eps if b.q_norm else 0.0,
+        rotary_dim=b.rotary.rotary_dim, ranges=ranges, out_scale=b.output_scale, softcap=attn.softcap or 0.0,
+        sinks=_ptr(attn.sinks), out_norm=_kernel_weight(attention_out, keep),
+        out_eps=attention_out.eps if attention_out else 0.0, rope=rope)
     keep.extend((attn.k_cache, attn.v_cache))
     mlp = None
     if b.gate_up_proj is not None:
         gate_up, down = linears[2][0], linears[3][0]
-        mlp = _MlpBlock(norm_weight=b.post_attention_norm.weight.data_ptr(), eps=b.post_attention_norm.eps,
+        mlp = _MlpBlock(norm_weight=_kernel_weight(b.post_attention_norm, keep), eps=b.post_attention_norm.eps,
                         hidden=hidden, intermediate=gate_up.n // 2, gate_up=gate_up, down=down,
-                        out_scale=b.output_scale)
+                        out_scale=b.output_scale, gelu=int(b.gelu), out_norm=_kernel_weight(mlp_out, keep),
+                        out_eps=mlp_out.eps if mlp_out else 0.0)
     return Plan(attention, mlp, max_rows, attn, keep)
 
 
 class FusedDecodeLayer:
     """The one-call-per-block decode path of a layer described by `DecoderBlocks`, computing what its modules
-    compute. `windows` is its stack's list of the attention kinds (window, chunk) a step describes key ranges for."""
+    compute. `windows` is its stack's list of the attention kinds (window, chunk) a step describes key ranges for,
+    `rotaries` the list of rotary embeddings a step gives cos and sin tables of."""
 
-    def __init__(self, blocks: DecoderBlocks, windows: list) -> None:
+    def __init__(self, blocks: DecoderBlocks, windows: list, rotaries: list) -> None:
         self.blocks, self.windows = blocks, windows
         key = (blocks.attn.sliding_window, blocks.attn.chunk_size)
         if key not in windows:
             windows.append(key)
         self.ranges = windows.index(key)
+        if not any(r is blocks.rotary for r in rotaries):
+            rotaries.append(blocks.rotary)
+        self.rope = next(i for i, r in enumerate(rotaries) if r is blocks.rotary)
         self._plan: Plan | None | bool = False  # False: not described yet
 
     def serves(self, x: torch.Tensor, meta: object) -> bool:
@@ -267,7 +301,7 @@ class FusedDecodeLayer:
         if not is_decode_step(meta, rows) or self.blocks.attn.k_cache is None:
             return False
         if self._plan is False or (self._plan is not None and not self._plan.current):
-            self._plan = describe(self.blocks, self.ranges)  # the first decode, or a cache bound anew
+            self._plan = describe(self.blocks, self.ranges, self.rope)  # the first decode, or a cache bound anew
         return self._plan is not None and rows <= self._plan.max_rows
 
     @property

@@ -28,19 +28,21 @@ _TABLE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 class _Model(ctypes.Structure):
     _fields_ = [("table", PTR), ("vocab", ctypes.c_int64), ("bf16", ctypes.c_int64), ("rope_cos", PTR),
                 ("rope_sin", PTR), ("rope_rows", ctypes.c_int64), ("rope_half", ctypes.c_int64),
+                ("ropes", ctypes.c_int64),
                 ("final_norm", PTR), ("final_eps", ctypes.c_float), ("head", _Linear), ("table_kind", ctypes.c_int64),
                 ("table_row_bytes", ctypes.c_int64), ("embed_scale", ctypes.c_float),
-                ("logits_divisor", ctypes.c_float)]
+                ("logits_divisor", ctypes.c_float), ("final_softcap", ctypes.c_float)]
 
 
 class FusedDecodeForward:
     """Logits and greedy tokens of a decode step from the stack's layers and the model's embedding and LM head."""
 
     def __init__(self, stack: FusedDecodeStack, embedding: VocabParallelEmbedding, lm_head: ParallelLMHead,
-                 embed_scale: float = 1.0, logits_divisor: float = 1.0) -> None:
-        """`embed_scale`: embeddings are multiplied by it, `logits_divisor`: logits divided by it (Granite)."""
+                 embed_scale: float = 1.0, logits_divisor: float = 1.0, final_softcap: float = 0.0) -> None:
+        """`embed_scale`: embeddings are multiplied by it (Granite, Gemma), `logits_divisor`: logits divided by it
+        (Granite), `final_softcap`: logits then become cap * tanh(logits / cap) (Gemma 2; 0: none)."""
         self.stack, self.embedding, self.lm_head = stack, embedding, lm_head
-        self.scales = embed_scale, logits_divisor
+        self.scales = embed_scale, logits_divisor, final_softcap
         self._model: tuple | None | bool = False  # False: not described yet; else (struct, tensors, head's rows)
         self._scratch = torch.empty(0)
         self._outputs: dict[int, tuple] = {}  # rows -> (logits, argmax, their addresses)
@@ -57,10 +59,10 @@ class FusedDecodeForward:
             self._model = self._describe()
         if self._model is None or rows > self._model[2]:
             return None
-        attention, mlp, widest = blocks
+        attention, mlp, widest, _ = blocks
         model = self._model[0]
         step, _ = step_description(meta, self.stack.windows, rows)
-        need = rows * (4 * model.head.k + 2 * model.rope_half) + widest.scratch_floats(rows)
+        need = rows * (4 * model.head.k + 2 * model.ropes * model.rope_half) + widest.scratch_floats(rows)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         if rows not in self._outputs:
@@ -81,9 +83,12 @@ class FusedDecodeForward:
 
     def _bind_rope(self, rows: int) -> None:
         """Point the call at rotary tables covering positions below `rows`."""
-        cos, sin = self.stack.rotary.float_tables(rows)
+        tables = [rotary.float_tables(rows) for rotary in self.stack.rotaries]
+        common = min(cos.shape[0] for cos, _ in tables)  # each grows on its own; all cover `rows`
+        cos = torch.cat([cos[:common] for cos, _ in tables]) if len(tables) > 1 else tables[0][0]
+        sin = torch.cat([sin[:common] for _, sin in tables]) if len(tables) > 1 else tables[0][1]
         model, keep, _ = self._model
-        model.rope_cos, model.rope_sin, model.rope_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
+        model.rope_cos, model.rope_sin, model.rope_rows = cos.data_ptr(), sin.data_ptr(), common
         keep["rope"] = (cos, sin)
 
     def _describe(self) -> tuple[_Model, dict, int] | None:
@@ -95,16 +100,18 @@ class FusedDecodeForward:
                 or self.embedding.pc.tp_size > 1:
             return None
         data, kind, row_bytes = table
-        keep: dict = {"tensors": [data, norm.weight]}
+        norm_weight = decode_block.norm_kernel_weight(norm)
+        keep: dict = {"tensors": [data, norm_weight]}
         described = describe_linear(head, None, keep["tensors"])
         if described is None or described[0].n != self.embedding.vocab_size \
                 or described[0].k != self.embedding.hidden_size:
             return None
         model = _Model(table=data.data_ptr(), vocab=self.embedding.vocab_size,
                        bf16=int(data.dtype == torch.bfloat16), rope_cos=None, rope_sin=None, rope_rows=0,
-                       rope_half=self.stack.rotary.rotary_dim // 2, final_norm=norm.weight.data_ptr(),
+                       rope_half=self.stack.rotaries[0].rotary_dim // 2, ropes=len(self.stack.rotaries),
+                       final_norm=norm_weight.data_ptr(),
                        final_eps=norm.eps, head=described[0], table_kind=kind, table_row_bytes=row_bytes,
-                       embed_scale=self.scales[0], logits_divisor=self.scales[1])
+                       embed_scale=self.scales[0], logits_divisor=self.scales[1], final_softcap=self.scales[2])
         return model, keep, described[1]
 
     def _table(self) -> tuple[torch.Tensor, int, int] | None:

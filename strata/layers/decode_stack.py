@@ -24,8 +24,9 @@ from strata.layers.decode_block import (
     _Step,
     has_decode_blocks,
     is_decode_step,
+    kernel_norms,
+    norm_kernel_weight,
 )
-from strata.layers.norm import RMSNorm
 
 
 def step_description(meta: AttentionMetadata, windows: list, tokens: int, cos: torch.Tensor | None = None,
@@ -52,14 +53,20 @@ class FusedDecodeStack:
     def __init__(self, layers: list[nn.Module], final_norm: nn.Module | None) -> None:
         self.final_norm = final_norm
         self.windows: list = []  # the (window, chunk) of every attention kind among the layers
-        self.fused = [FusedDecodeLayer(layer.decode_blocks(), self.windows) if has_decode_blocks(layer) else None
-                      for layer in layers]
-        self.enabled = bool(self.fused) and all(f is not None for f in self.fused)
+        self.rotaries: list = []  # every rotary embedding among them (Gemma 3: one for local layers, one global)
+        self.fused = [FusedDecodeLayer(layer.decode_blocks(), self.windows, self.rotaries)
+                      if has_decode_blocks(layer) else None for layer in layers]
+        # The step's cos and sin tables lie back to back, one per rotary, each [tokens, rotary_dim / 2].
+        self.enabled = bool(self.fused) and all(f is not None for f in self.fused) \
+            and len({r.rotary_dim for r in self.rotaries}) == 1
         self._arrays: tuple | None = None  # (plans, their blocks as C arrays, the widest plan, the fewest rows)
 
-    @property
-    def rotary(self):
-        return self.fused[0].blocks.rotary
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's float32 cos and sin of every rotary, [rotaries * tokens, rotary_dim / 2] each."""
+        tables = [r._step_cos_sin(positions, torch.float32) for r in self.rotaries]
+        if len(tables) == 1:
+            return tables[0]
+        return torch.cat([cos for cos, _ in tables]), torch.cat([sin for _, sin in tables])
 
     def step_for(self, meta: AttentionMetadata, positions: torch.Tensor, tokens: int, widest: Plan) -> tuple:
         """(the step's description, a scratch buffer for `widest`'s blocks), built once per step (kept with the
@@ -68,7 +75,7 @@ class FusedDecodeStack:
         cached = meta._masks.get(key)
         need = widest.scratch_floats(tokens)
         if cached is None or cached[1].numel() < need:
-            cos, sin = self.rotary._step_cos_sin(positions, torch.float32)
+            cos, sin = self.cos_sin(positions)
             step, keep = step_description(meta, self.windows, tokens, cos, sin)
             cached = (ctypes.byref(step), torch.empty(need, dtype=torch.float32), step, keep)
             meta._masks[key] = cached
@@ -91,7 +98,7 @@ class FusedDecodeStack:
         blocks = self.blocks(x.shape[0], meta)
         if blocks is None:
             return None
-        attention, mlp, widest = blocks
+        attention, mlp, widest, norm_weight = blocks
         step, scratch = self.step_for(meta, positions, x.shape[0], widest)
         first = residual is None
         if first:
@@ -100,15 +107,15 @@ class FusedDecodeStack:
         norm = self.final_norm
         status = _library().decode_layers(_kernels(), attention, mlp, len(self.fused), step, x.data_ptr(),
                                           residual.data_ptr(), int(first), scratch.data_ptr(), hidden.data_ptr(),
-                                          out.data_ptr(), None if norm is None else norm.weight.data_ptr(),
+                                          out.data_ptr(), None if norm is None else norm_weight.data_ptr(),
                                           0.0 if norm is None else norm.eps)
         if status:
             raise MemoryError("decode layers could not allocate their scratch memory")
         return (out, residual) if norm is None else (hidden, residual)
 
     def blocks(self, rows: int, meta: object) -> tuple | None:
-        """(attention blocks, MLP blocks, the plan needing the most scratch) as C arrays for a decode step of `rows`
-        float32 CPU rows, or None when the step takes the per-layer path."""
+        """(attention blocks, MLP blocks, the plan needing the most scratch, the final norm's kernel weight) as C
+        arrays for a decode step of `rows` float32 CPU rows, or None when the step takes the per-layer path."""
         if not self.enabled or not is_decode_step(meta, rows):
             return None
         arrays = self._arrays
@@ -120,7 +127,7 @@ class FusedDecodeStack:
             if arrays is None:
                 self.enabled = False
                 return None
-        return arrays[1:4] if rows <= arrays[4] else None
+        return arrays[1:5] if rows <= arrays[5] else None
 
     def _describe(self, plans: list[Plan]) -> tuple | None:
         """The plans' blocks as C arrays, or None when the layers need the per-layer path (tensor parallelism's
@@ -128,9 +135,10 @@ class FusedDecodeStack:
         if any(p.mlp is None for p in plans) or any(f.blocks.o_proj.pc.tp_size > 1 for f in self.fused):
             return None
         norm = self.final_norm
-        if norm is not None and (type(norm).forward is not RMSNorm.forward or norm.weight.dtype != torch.float32):
+        if not kernel_norms(norm):
             return None
         attention = (_AttentionBlock * len(plans))(*(p.attention for p in plans))
         mlp = (_MlpBlock * len(plans))(*(p.mlp for p in plans))
         widest = max(plans, key=lambda p: p.scratch_floats(1))
-        return plans, attention, mlp, widest, min(p.max_rows for p in plans)
+        norm_weight = None if norm is None else norm_kernel_weight(norm)
+        return plans, attention, mlp, widest, norm_weight, min(p.max_rows for p in plans)

@@ -108,14 +108,21 @@ class CausalLM(nn.Module):
         return self.get_submodule(self.names.norm)
 
     def _decode_forward(self) -> FusedDecodeForward | None:
-        """The whole-step decode call, for a single-stage model whose embedding, `forward`'s ends and LM head are
-        CausalLM's own."""
-        cls, own = type(self), (CausalLM.forward, CausalLM.embed_input_ids, CausalLM.compute_logits)
+        """The whole-step decode call, for a single-stage model whose `forward` is CausalLM's own and whose
+        embedding and LM head ends the call can compute (`fused_decode_ends`)."""
+        ends = self.fused_decode_ends()
         if not (self.pc.is_first_stage and self.pc.is_last_stage) or self.decode_stack.final_norm is None \
-                or (cls.forward, cls.embed_input_ids, cls.compute_logits) != own:
+                or type(self).forward is not CausalLM.forward or ends is None:
             return None
-        return FusedDecodeForward(self.decode_stack, self.get_submodule(self.names.embedding), self.lm_head,
-                                  self.args.embedding_multiplier, self.args.logits_scaling)
+        return FusedDecodeForward(self.decode_stack, self.get_submodule(self.names.embedding), self.lm_head, *ends)
+
+    def fused_decode_ends(self) -> tuple[float, float, float] | None:
+        """(embedding scale, logits divisor, final logits soft cap or 0) that `embed_input_ids` and `compute_logits`
+        apply around the plain lookup and head, for the whole-step decode call; None when they do something else."""
+        cls = type(self)
+        if (cls.embed_input_ids, cls.compute_logits) != (CausalLM.embed_input_ids, CausalLM.compute_logits):
+            return None
+        return self.args.embedding_multiplier, self.args.logits_scaling, 0.0
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta
                       ) -> tuple[torch.Tensor, np.ndarray] | None:

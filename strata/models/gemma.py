@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from strata.config import HFConfig
 from strata.distributed import ParallelContext
 from strata.errors import UnsupportedModelError
+from strata.layers.activation import gelu_tanh_and_mul
 from strata.layers.attention import AttentionMetadata
+from strata.layers.decode_block import DecoderBlocks
 from strata.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from strata.layers.norm import GemmaRMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
@@ -107,13 +108,11 @@ class GemmaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, pc, False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class GemmaDecoderLayer(nn.Module):
-    """Normalised attention and MLP blocks, each normalised again before it joins the residual stream. No
-    `decode_blocks`: the CPU decode path knows neither the extra norms, their 1 + w weights nor the GELU gate."""
+    """Normalised attention and MLP blocks, each normalised again before it joins the residual stream."""
 
     def __init__(self, a: GemmaArgs, index: int, pc: ParallelContext, dtype: torch.dtype,
                  rotary: RotaryEmbedding) -> None:
@@ -134,7 +133,19 @@ class GemmaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
         x, residual = self.pre_feedforward_layernorm(x, residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
+        return self.feed_forward_block(x), residual
+
+    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm(self.mlp(x))
+
+    def decode_blocks(self) -> DecoderBlocks:
+        """The CPU decode path's view: Gemma's post-attention norm normalises the attention block's output, its
+        pre-feed-forward norm is the one before the MLP."""
+        attn, mlp = self.self_attn, self.mlp
+        return DecoderBlocks(self.input_layernorm, attn.qkv_proj, attn.q_norm, attn.k_norm, attn.rotary, attn.attn,
+                             attn.o_proj, self.pre_feedforward_layernorm, mlp.gate_up_proj, mlp.down_proj,
+                             self.feed_forward_block, attention_out_norm=self.post_attention_layernorm,
+                             mlp_out_norm=self.post_feedforward_layernorm, gelu=True)
 
 
 class GemmaCausalLM(CausalLM):
@@ -165,6 +176,11 @@ class GemmaCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits, cap = super().compute_logits(hidden), self.args.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def fused_decode_ends(self) -> tuple[float, float, float]:
+        """The whole-step decode call scales float32 embeddings by sqrt(hidden) as float32 (what embed_input_ids
+        multiplies by) and soft-caps the logits."""
+        return math.sqrt(self.args.hidden_size), 1.0, self.args.final_softcap or 0.0
 
 
 class Gemma2ForCausalLM(GemmaCausalLM):

@@ -22,6 +22,7 @@ from torch import nn
 from strata.config import HFConfig
 from strata.distributed import Collective, ParallelContext, StepSize, tp_collective
 from strata.layers.attention import Attention
+from strata.layers.decode_block import DecoderBlocks
 from strata.layers.linear import ReplicatedLinear
 from strata.layers.moe import FusedMoE, topk_then_softmax_routing
 from strata.layers.norm import RMSNorm
@@ -123,8 +124,7 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssDecoderLayer(PreNormDecoderLayer):
-    """No `decode_blocks`: the CPU decode path's C blocks know neither sinks nor these experts, so decode steps run
-    the modules."""
+    """On the CPU decode path the attention block (sinks included) is one C call; the experts run as modules."""
 
     def __init__(self, a: GptOssArgs, index: int, pc: ParallelContext, dtype: torch.dtype, rotary: RotaryEmbedding,
                  quantization: str | None) -> None:
@@ -136,6 +136,11 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
 
     def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x)
+
+    def decode_blocks(self) -> DecoderBlocks:
+        attn = self.self_attn
+        return DecoderBlocks(self.input_layernorm, attn.qkv_proj, attn.q_norm, attn.k_norm, attn.rotary, attn.attn,
+                             attn.o_proj, self.post_attention_layernorm, None, None, self.feed_forward_block)
 
 
 class GptOssForCausalLM(DenseCausalLM):

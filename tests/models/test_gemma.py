@@ -25,9 +25,7 @@ from arch_checkpoints import (
 from checkpoints import write_tokenizer
 
 from strata.config import EngineConfig, HFConfig, kernels_for_model
-from strata.layers.decode_block import FusedDecodeLayer
 from strata.layers.decode_forward import FusedDecodeForward
-from strata.layers.decode_stack import FusedDecodeStack
 from strata.models.gemma import Gemma2Args, Gemma3Args
 
 PROMPTS = tuple(tuple(p) for p in random_prompts((5, 11, 24), seed=7))  # 5 + 16 tokens already pass the window
@@ -94,41 +92,23 @@ def test_each_soft_cap_changes_the_result_and_is_followed(gemma_path, tmp_path, 
     assert_matches_transformers(without, transformers_generate(uncapped, prompts, 8))
 
 
-def test_no_decode_step_takes_the_fused_cpu_path(gemma_path, monkeypatch):
-    """Neither the whole-step call, the stack's call nor a layer's blocks serve a Gemma decode step (the C blocks
-    know none of its norms or caps): every step runs the modules, which the tests above hold to transformers."""
-    served = []
-    for cls, method in ((FusedDecodeForward, "__call__"), (FusedDecodeStack, "__call__"),
-                        (FusedDecodeLayer, "__call__")):
-        original = getattr(cls, method)
-        monkeypatch.setattr(cls, method, lambda self, *a, _f=original: served.append(_f(self, *a)) or served[-1])
-    strata_greedy(gemma_path("gemma2"), PROMPTS[:2], 6)
-    assert served and all(s is None for s in served)  # asked every decode step, and declined each
-
-
-def test_a_soft_capped_attention_refuses_the_fused_cpu_path(tmp_path, monkeypatch):
-    """The guard itself: Mistral's layers take the fused path, until their attention is given a soft cap; then each
-    layer's description declines and the decode steps run the modules (capped, so the tokens change)."""
-    from strata import LLM, SamplingParams
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_decode_steps_take_the_whole_step_cpu_path_and_follow_transformers(gemma_path, monkeypatch, name):
+    """Every decode step is one C call (embedding scale, the sandwich norms with their 1 + w weights, GELU-tanh,
+    Gemma 2's attention and final caps, Gemma 3's q/k norms and two rotary bases, windows), and the tokens and
+    logprobs are transformers'."""
     from strata.layers import decode_block
 
     if decode_block._library() is None or decode_block._kernels() is None:
         pytest.skip("no C compiler")
-    path = make_arch(tmp_path / "mistral", "mistral")
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
-    prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS[:2]]
-    plans = []
-    original = decode_block.describe
-    monkeypatch.setattr(decode_block, "describe", lambda b, r: plans.append(original(b, r)) or plans[-1])
-    with LLM(str(path), device="cpu", dtype="float32", max_model_len=64, enable_prefix_caching=False) as llm:
-        llm.generate(prompts, params, use_tqdm=False)
-        assert plans and all(p is not None for p in plans)
-    plans.clear()
-    with LLM(str(path), device="cpu", dtype="float32", max_model_len=64, enable_prefix_caching=False) as llm:
-        for layer in llm.engine.executor.runner.model.model.layers:
-            layer.self_attn.attn.softcap = 0.5
-        llm.generate(prompts, params, use_tqdm=False)
-    assert plans and all(p is None for p in plans)
+    served = []
+    original = FusedDecodeForward.__call__
+    monkeypatch.setattr(FusedDecodeForward, "__call__",
+                        lambda self, *a: served.append(original(self, *a)) or served[-1])
+    path = gemma_path(name)
+    outputs = strata_greedy(path, PROMPTS, 6)
+    assert sum(s is not None for s in served) == 5  # every decode step (the prefill takes the modules)
+    assert_matches_transformers(outputs, transformers_generate(path, PROMPTS, 6))
 
 
 def _greedy_runs_match(a: list, b: list, tolerance: float) -> None:
@@ -156,12 +136,15 @@ def test_triton_kernels_give_the_soft_capped_tokens_of_torch(gemma_path):
 
 
 def test_decode_steps_attend_through_the_cpu_kernel_with_the_cap(gemma_path, monkeypatch):
-    """Capped layers' decode steps now run the C decode kernel (given the cap), and the tokens still follow
-    transformers."""
+    """On the modules' path (as with TP > 1, whose all-reduce comes before the sandwich norms), capped layers' decode
+    steps run the C decode kernel given the cap, and the tokens still follow transformers."""
     from strata.layers import cpu_attention
 
     if cpu_attention._library() is None:
         pytest.skip("no C compiler")
+    from strata.layers import decode_block
+
+    monkeypatch.setattr(decode_block, "describe", lambda *a: None)  # the modules' path, not the fused C blocks
     caps = []
     kernel = cpu_attention.paged_decode_attention
     monkeypatch.setattr(cpu_attention, "paged_decode_attention",

@@ -57,6 +57,21 @@ def test_greedy_tokens_and_logprobs_match_transformers_generate(gpt_oss_path, ti
                                 transformers_generate(path, PROMPTS, MAX_TOKENS))
 
 
+def test_decode_steps_run_the_attention_blocks_in_c_with_the_sinks(gpt_oss_path, reference, monkeypatch):
+    """Each layer's attention block (sinks, windows, biases) is one C call on decode steps and the experts run as
+    modules; the tokens and logprobs are transformers'."""
+    from strata.layers import decode_block
+    from strata.layers.decode_block import FusedDecodeLayer
+
+    if decode_block._library() is None or decode_block._kernels() is None:
+        pytest.skip("no C compiler")
+    served, original = [], FusedDecodeLayer.__call__
+    monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, *a: served.append(self.plan) or original(self, *a))
+    outputs = strata_greedy(gpt_oss_path(), PROMPTS[:2], 8)
+    assert len(served) == 7 * COMMON["num_hidden_layers"] and all(p.mlp is None and p.attention.sinks for p in served)
+    assert_matches_transformers(outputs, reference[1])
+
+
 def _max_logprob_gap(a: list, b: list) -> float:
     """The largest difference between two runs' logprobs of the tokens both report."""
     gaps = [abs(pa[t].logprob - pb[t].logprob) for oa, ob in zip(a, b, strict=True)
