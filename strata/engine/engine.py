@@ -174,13 +174,13 @@ class Engine:
         if grammars is not None:
             self._admit_grammar_requests(grammars)
         while len(self.in_flight) < self.executor.max_concurrent_batches:
+            started = time.perf_counter()
             sched = self.scheduler.schedule()
             if sched.empty:
                 self.scheduler.restore_finished(sched)
                 break
             if grammars is not None:
                 sched.grammar_bitmask = grammars.bitmask(sched)
-            started = time.perf_counter()
             self.in_flight.append((sched, self.executor.submit(sched), started))
         if not self.in_flight:
             if grammars is not None:
@@ -188,8 +188,6 @@ class Engine:
             return []
         sched, handle, started = self.in_flight.popleft()
         result: RunnerOutput = self.executor.collect(handle)
-        if self.spec is not None:
-            self._time_step(sched, time.perf_counter() - started)
         self.stats["steps"] += 1
         changed = self.scheduler.update(sched, result.sampled)
         touched: dict[str, RequestGroup] = {}
@@ -198,7 +196,10 @@ class Engine:
         for request_id, entries in result.prompt_logprobs.items():
             self._apply_prompt_logprobs(request_id, entries, touched)
         self.stats["prompt_tokens"] += sched.num_tokens - sched.num_draft_tokens - len(changed)
-        return self._collect_outputs(touched)
+        outputs = self._collect_outputs(touched)
+        if self.spec is not None:
+            self._time_step(sched, time.perf_counter() - started)
+        return outputs
 
     def _admit_grammar_requests(self, grammars: GrammarState) -> None:
         admitted, failed = grammars.ready()
@@ -209,8 +210,10 @@ class Engine:
             self.failures.append((request_id, error))
 
     def _time_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        """A decode or verification step's time, for the depth of later drafts (only while one step at a time is in
-        flight: with pipeline stages overlapping, a step's time is not its own)."""
+        """A decode or verification step's time, for the depth of later drafts: all the engine spends on it, from
+        proposing the drafts and scheduling to the outputs (the Python around a draft token costs like the forward's
+        share of it on a small CPU model). Only while one step at a time is in flight: with pipeline stages
+        overlapping, a step's time is not its own."""
         if self.executor.max_concurrent_batches == 1 and all(
                 s.sample and len(s.token_ids) == s.num_draft_tokens + 1 for s in sched.requests):
             self.spec.observe_step(sched.num_tokens, seconds)

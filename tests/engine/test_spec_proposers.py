@@ -106,7 +106,8 @@ def test_the_draft_budget_keeps_every_requests_nearest_positions_first():
     assert within_budget(proposals, 2) == {"a": [1], "b": [5]}
 
 
-def depth_after(seconds_per_step, acceptance: float, lengths: list[int], num_decodes: int = 1) -> int:
+def depth_after(seconds_per_step, acceptance: float, lengths: list[int], num_decodes: int = 1,
+                room: int | None = None) -> int:
     """The depth DraftDepth picks once it measured steps of 1 to 17 tokens and drafts accepted at `acceptance`
     per position (cumulative: a token is accepted only after all before it)."""
     depth = DraftDepth()
@@ -116,7 +117,7 @@ def depth_after(seconds_per_step, acceptance: float, lengths: list[int], num_dec
         depth.record(8, 8)
     for position in range(8):  # set the measured acceptance to acceptance ** (position + 1)
         depth.accepted[position] = round(200 * acceptance ** (position + 1))
-    return depth.choose(num_decodes, lengths)
+    return depth.choose(num_decodes, lengths, room=room)
 
 
 def test_drafts_go_deep_while_steps_cost_the_same_and_vanish_once_every_token_costs_a_decode():
@@ -125,6 +126,36 @@ def test_drafts_go_deep_while_steps_cost_the_same_and_vanish_once_every_token_co
     # A decode at 50 ms and 20 ms a token more (as a busy 2-core CPU measured): a few drafts pay, not eight.
     assert 2 <= depth_after(lambda t: 0.03 + 0.02 * t, 0.8, [8]) <= 5
     assert depth_after(lambda t: 0.03 + 0.02 * t, 0.2, [8]) <= 1  # rarely accepted: hardly any
+
+
+def test_depths_are_weighed_at_the_size_the_step_budget_leaves():
+    """Four decodes with room for four draft tokens: every depth past one is cut back to one draft each, so one is
+    the depth chosen while drafts are nearly free."""
+    assert depth_after(lambda t: 0.05 + 0.0001 * t, 0.8, [8] * 4, num_decodes=4, room=4) == 1
+    assert depth_after(lambda t: 0.05 + 0.0001 * t, 0.8, [8] * 4, num_decodes=4) == 8
+
+
+def test_drafts_need_a_clear_promised_gain_and_both_ends_keep_being_measured():
+    # One draft token accepted at 0.1 per step of 2 tokens costing 8% more: 1.1 / 1.08 tokens, under the 5% margin.
+    assert depth_after(lambda t: 0.05 * (1 + 0.08 * (t - 1)), 0.1, [1]) == 0
+    assert depth_after(lambda t: 0.05 * (1 + 0.08 * (t - 1)), 0.5, [1]) == 1  # 1.5 / 1.08: a clear gain
+    for cost_per_token, accepted, plain_steps in ((0.0, 20, 0), (0.08, 0, 2)):
+        depth = DraftDepth()
+        for tokens in range(1, 18):
+            depth.times.observe(tokens, 0.05 * (1 + cost_per_token * (tokens - 1)))
+        for i in range(20):
+            depth.record(1, int(i < accepted))
+        chosen = [depth.choose(1, [1]) for _ in range(32)]
+        # Free drafts accepted 21 times in 22: always drafted. Accepted 1 time in 22 at 8% more a token: only in
+        # the steps that keep every draft (one in 16). Then a 1.5 / 1.08 gain (as measured before any draft):
+        # drafted, but for one step in 16, which measures plain decoding again (a gain that small could come from a
+        # stale time of the plain step).
+        assert chosen.count(1) == (32 if accepted else 2)
+    depth = DraftDepth()
+    for tokens in range(1, 18):
+        depth.times.observe(tokens, 0.05 * (1 + 0.08 * (tokens - 1)))
+    chosen = [depth.choose(1, [1]) for _ in range(32)]
+    assert chosen.count(0) == 2 and chosen.count(1) == 30
 
 
 def test_a_request_that_never_drafted_still_leaves_its_output_to_the_shared_tree():

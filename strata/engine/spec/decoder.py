@@ -116,7 +116,7 @@ class SpeculativeDecoder:
         drafting = [(r, n) for r, n in zip(decoding, limits, strict=True) if n > 0]
         if isinstance(self.proposer, DraftModelProposer):
             # Each draft position is a pass of the draft model: the depth is chosen before, counting its passes.
-            depth = self.depth.choose(len(decoding), [n for _, n in drafting], self.proposer.mean_pass_s)
+            depth = self.depth.choose(len(decoding), [n for _, n in drafting], self.proposer.mean_pass_s, room)
             found = self.proposer.propose_many([r for r, _ in drafting], [min(n, depth) for _, n in drafting]) \
                 if depth else {}
         else:
@@ -130,7 +130,7 @@ class SpeculativeDecoder:
             if proposal:
                 proposals[request.request_id] = proposal
         if depth is None:
-            depth = self.depth.choose(len(decoding), [len(p) for p in proposals.values()])
+            depth = self.depth.choose(len(decoding), [len(p) for p in proposals.values()], room=room)
         return within_budget({r: p[:depth] for r, p in proposals.items() if depth}, room)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:

@@ -5,7 +5,12 @@ large batch, a slow or busy CPU) every token costs its share and drafts get shal
 from __future__ import annotations
 
 _SMOOTHING = 0.2  # weight of a new step time in its size's moving average
-_EXPLORE_EVERY = 16  # steps between two that keep every draft, so that deeper steps keep being measured
+_EXPLORE_EVERY = 16  # steps between two that keep every draft (and, halfway between, two that keep none while
+# drafts only promise a little more), so that both ends keep being measured as contexts grow: otherwise the size
+# not chosen keeps its early, shorter-context time
+_RECHECK_BELOW = 1.5  # drafts promising less than this over plain decoding have the plain step re-measured
+_MIN_GAIN = 1.05  # drafts must promise this much more than plain decoding: step times are noisy estimates, and a
+# draft costs proposing and bookkeeping beyond the forward
 
 
 class StepTimes:
@@ -58,25 +63,37 @@ class DraftDepth:
         accepted = self.accepted[position] if position < len(self.accepted) else 0
         return (accepted + 1) / (drafted + 2)
 
-    def choose(self, num_decodes: int, lengths: list[int], seconds_per_depth: float = 0.0) -> int:
+    def choose(self, num_decodes: int, lengths: list[int], seconds_per_depth: float = 0.0,
+               room: int | None = None) -> int:
         """The draft depth (the most draft tokens per request) for a step of `num_decodes` decodes whose proposals
         have `lengths`: every depth up to the longest is weighed, expected tokens over estimated seconds (with
-        `seconds_per_depth` for each draft position, a draft model's pass)."""
+        `seconds_per_depth` for each draft position, a draft model's pass). `room`: the draft tokens the step can
+        hold, filled nearest positions first (as `within_budget` cuts), so that each depth is weighed at the size
+        its step will have."""
         self._steps += 1
         deepest = max(lengths, default=0)
         if deepest == 0 or self._steps % _EXPLORE_EVERY == 0:
             return deepest
-        best_depth, best_rate = deepest, -1.0
+        left = sum(lengths) if room is None else room
+        best_depth, best_rate, plain_rate = deepest, -1.0, 0.0
         expected, tokens = float(num_decodes), num_decodes
         for depth in range(deepest + 1):
             if depth:
-                reaching = sum(1 for n in lengths if n >= depth)
+                reaching = min(sum(1 for n in lengths if n >= depth), left)
+                left -= reaching
                 expected += reaching * self.acceptance(depth - 1)
                 tokens += reaching
             seconds = self.times.estimate(tokens)
             if seconds is None:  # not measured yet: keep every draft, and measure
                 return deepest
             seconds += depth * seconds_per_depth
-            if expected / seconds > best_rate:
-                best_depth, best_rate = depth, expected / seconds
+            rate = expected / seconds if depth else expected / seconds * _MIN_GAIN
+            plain_rate = plain_rate or expected / seconds
+            if rate > best_rate:
+                best_depth, best_rate = depth, rate
+            if not left:
+                break  # deeper drafts would be cut to this very step
+        if best_depth and self._steps % _EXPLORE_EVERY == _EXPLORE_EVERY // 2 \
+                and best_rate < _RECHECK_BELOW * plain_rate:
+            return 0
         return best_depth
