@@ -139,7 +139,7 @@ def test_drafts_need_a_clear_promised_gain_and_both_ends_keep_being_measured():
     # One draft token accepted at 0.1 per step of 2 tokens costing 8% more: 1.1 / 1.08 tokens, under the 5% margin.
     assert depth_after(lambda t: 0.05 * (1 + 0.08 * (t - 1)), 0.1, [1]) == 0
     assert depth_after(lambda t: 0.05 * (1 + 0.08 * (t - 1)), 0.5, [1]) == 1  # 1.5 / 1.08: a clear gain
-    for cost_per_token, accepted, plain_steps in ((0.0, 20, 0), (0.08, 0, 2)):
+    for cost_per_token, accepted in ((0.0, 20), (0.08, 0)):
         depth = DraftDepth()
         for tokens in range(1, 18):
             depth.times.observe(tokens, 0.05 * (1 + cost_per_token * (tokens - 1)))
