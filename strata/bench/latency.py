@@ -78,6 +78,22 @@ def _on_cuda(device: str) -> bool:
     return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
+def cpu_kernels_line(llm) -> str:
+    """Which CPU paths the run took: the decode steps each fused path served (an in-process model only) and the
+    instruction set the small-batch kernels were built for."""
+    from strata.layers.quantization import cpu_matmul
+
+    model = getattr(getattr(llm.engine.executor, "runner", None), "model", None)
+    stack = getattr(model, "decode_stack", None)
+    if stack is None:
+        paths = "decode path not known here (workers in other processes, or a model without the fused path)"
+    else:
+        served = stack.served
+        paths = (f"{served['whole step']} decode steps in one C call each, {served['stack']} with every layer in "
+                 f"one call, {served['blocks']} layer by layer in C blocks, of {llm.engine.stats['steps']} steps")
+    return f"CPU kernels: {paths}; small-batch products built for {cpu_matmul.build()}"
+
+
 def run_latency(args: argparse.Namespace) -> int:
     from strata.config import ModelConfig, resolve_source
     from strata.llm import LLM
@@ -93,6 +109,8 @@ def run_latency(args: argparse.Namespace) -> int:
         latencies, per_token = measure(llm, prompts, args.output_len, args.num_iters_warmup, args.num_iters)
         if llm.engine.spec is not None:  # --speculative-config: how the drafts fared
             sys.stdout.write(llm.engine.spec.stats.summary() + "\n")
+        if read_loop is not None:
+            sys.stdout.write(cpu_kernels_line(llm) + "\n")
     finally:
         llm.shutdown()
     result = {"avg_latency": statistics.mean(latencies), "latencies": latencies, "batch_size": args.batch_size,

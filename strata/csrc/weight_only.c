@@ -358,3 +358,16 @@ int weight_rows(const void *weight, int64_t row_bytes, int kind, int64_t k, cons
     }
     return 0;
 }
+
+/* Which of the kernels above this build compiled in, for the CPU it was built on (`strata bench latency` says). */
+const char *weight_only_build(void) {
+#if USE_AVX512 && defined(__AVX512VNNI__)
+    return "AVX-512 with VNNI";
+#elif USE_AVX512
+    return "AVX-512";
+#elif USE_AVX2
+    return "AVX2";
+#else
+    return "portable C";
+#endif
+}

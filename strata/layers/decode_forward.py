@@ -79,6 +79,7 @@ class FusedDecodeForward:
             raise IndexError(f"a token id of {input_ids.tolist()} is outside the vocabulary of {model.vocab}")
         if status:
             raise MemoryError(f"the decode step could not allocate its scratch memory (status {status})")
+        self.stack.served["whole step"] += 1
         return logits, argmax
 
     def _bind_rope(self, rows: int) -> None:

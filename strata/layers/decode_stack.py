@@ -7,6 +7,7 @@ parallelism, and when every layer's feed-forward block is a SwiGLU MLP, all laye
 norm) run in one call."""
 from __future__ import annotations
 
+import collections
 import ctypes
 
 import torch
@@ -60,6 +61,8 @@ class FusedDecodeStack:
         self.enabled = bool(self.fused) and all(f is not None for f in self.fused) \
             and len({r.rotary_dim for r in self.rotaries}) == 1
         self._arrays: tuple | None = None  # (plans, their blocks as C arrays, the widest plan, the fewest rows)
+        # Decode steps each path served: "whole step" (FusedDecodeForward), "stack", "blocks" (layer 0's calls).
+        self.served: collections.Counter = collections.Counter()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's float32 cos and sin of every rotary, [rotaries * tokens, rotary_dim / 2] each."""
@@ -87,6 +90,8 @@ class FusedDecodeStack:
         fused = self.fused[index] if self.fused else None
         if fused is None or not fused.serves(x, meta):
             return layer(positions, x, residual, meta)
+        if index == 0:
+            self.served["blocks"] += 1
         return fused(positions, x, residual, meta, self.step_for(meta, positions, x.shape[0], fused.plan))
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -111,6 +116,7 @@ class FusedDecodeStack:
                                           0.0 if norm is None else norm.eps)
         if status:
             raise MemoryError("decode layers could not allocate their scratch memory")
+        self.served["stack"] += 1
         return (out, residual) if norm is None else (hidden, residual)
 
     def blocks(self, rows: int, meta: object) -> tuple | None:

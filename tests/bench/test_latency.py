@@ -33,3 +33,18 @@ def test_bench_latency_reports_consistent_tokens_per_second_and_bandwidth(llama_
         assert result["weight_bytes"] == sum(_numel(f.get_slice(k).get_shape()) * 4 for k in f.keys())
     assert result["weight_bandwidth_gb_per_s"] == pytest.approx(result["weight_bytes"] / result["time_per_output_token"]
                                                                 / 1e9)
+
+
+def test_bench_latency_says_which_cpu_paths_ran(llama_tied, capsys):
+    """Every decode step of a float32 Llama at batch 1 is one C call; the line names the kernels' build."""
+    from strata.layers.quantization import cpu_matmul
+
+    rc = main(["bench", "latency", "--model", str(llama_tied), "--batch-size", "1", "--input-len", "5",
+               "--output-len", "6", "--num-iters-warmup", "0", "--num-iters", "1", "--dtype", "float32",
+               "--max-model-len", "64"])
+    assert rc == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU kernels:"))
+    if cpu_matmul.available():
+        assert "5 decode steps in one C call each" in line
+        assert line.endswith(f"built for {cpu_matmul.build()}") and cpu_matmul.build() in (
+            "AVX-512 with VNNI", "AVX-512", "AVX2", "portable C")

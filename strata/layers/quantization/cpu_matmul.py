@@ -26,7 +26,14 @@ _SIGNATURE = ([PTR, I64, I64, PTR, I64, I32, PTR, PTR, I64, I64, PTR, PTR, I64, 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     return native.bind("weight_only", {"weight_only_matmul": _SIGNATURE,
-                                       "weight_rows": ([PTR, I64, I32, I64, PTR, I64, PTR, I32], I32)})
+                                       "weight_rows": ([PTR, I64, I32, I64, PTR, I64, PTR, I32], I32),
+                                       "weight_only_build": ([], ctypes.c_char_p)})
+
+
+def build() -> str:
+    """Which kernels the small-batch products run here: the instruction set this machine's build compiled in."""
+    lib = _library()
+    return "none (no C compiler: torch's ops)" if lib is None else lib.weight_only_build().decode()
 
 
 @functools.cache
