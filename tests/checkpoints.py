@@ -40,6 +40,23 @@ def _tokenizer_files(vocab_size: int) -> dict[str, str]:
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config)}
 
 
+def write_chat_tokenizer(folder: Path, special: list[str], plain: list[str], chat_template: str, eos: str):
+    """The 512-token BPE with `special` added as special tokens and `plain` as added text tokens, `chat_template` and
+    `eos`, saved in `folder` and loaded with transformers."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import AutoTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_str(_tokenizer_files(512)["tokenizer.json"])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    (folder / "tokenizer.json").write_text(tok.to_str())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": eos,
+              "pad_token": "</s>", "chat_template": chat_template, "model_max_length": 4096}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def write_tokenizer(folder: Path, vocab_size: int = 320) -> None:
     for name, text in _tokenizer_files(vocab_size).items():
         (folder / name).write_text(text)

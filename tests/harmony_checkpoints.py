@@ -13,11 +13,10 @@ when the weather was asked.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from checkpoints import _tokenizer_files
+from checkpoints import write_chat_tokenizer
 
 SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
 PLAIN = ["assistant", "user", "analysis", "final", "commentary", "json", " to=functions.get_weather", " quick",
@@ -32,21 +31,10 @@ THOUGHT_DONE, WEATHER_ASKED = 62, 63
 
 
 def write_harmony_tokenizer(folder: Path):
-    from tokenizers import AddedToken, Tokenizer
-    from transformers import AutoTokenizer
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer.from_str(_tokenizer_files(512)["tokenizer.json"])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN])
-    (folder / "tokenizer.json").write_text(tok.to_str())
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|return|>",
-              "pad_token": "</s>", "chat_template": TEMPLATE, "model_max_length": 4096}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return AutoTokenizer.from_pretrained(folder)
+    return write_chat_tokenizer(folder, SPECIAL, PLAIN, TEMPLATE, "<|return|>")
 
 
-def _successors(ids) -> list[tuple[str, dict[str, float]]]:
+def _successors() -> list[tuple[str, dict[str, float]]]:
     """(next token, logit weights: the current token's direction, and THOUGHT_DONE / WEATHER_ASKED), so that each
     token's successor wins by a margin of at least 1 (before the final norm's scaling) in every state it occurs in."""
     chain = [("assistant", "<|channel|>"), ("analysis", "<|message|>"), (" quick", " brown"), (" brown", " fox"),
@@ -104,7 +92,7 @@ def make_harmony_gpt_oss(folder: Path) -> Path:
             attn.o_proj.weight[report, row] = 1.0
             attn.sinks[head] = 10.0
         head_weights = model.lm_head.weight
-        for nxt, weights in _successors(ids):
+        for nxt, weights in _successors():
             for source, w in weights.items():
                 head_weights[ids(nxt), direction[source]] = w
     model.save_pretrained(folder, safe_serialization=True)

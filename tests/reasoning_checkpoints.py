@@ -8,12 +8,11 @@ the answer after the thinking with a grammar.
 """
 from __future__ import annotations
 
-import json
 from itertools import pairwise
 from pathlib import Path
 
 import torch
-from checkpoints import _tokenizer_files
+from checkpoints import write_chat_tokenizer
 
 # Qwen3's template, cut down to what tests need: tools, documents, reasoning_content in history, tool calls and
 # responses, and enable_thinking=False closing an empty think block in the generation prompt.
@@ -48,18 +47,7 @@ VOCAB_SIZE = 528
 
 def write_thinking_tokenizer(folder: Path):
     """The tokenizer (a BPE with the added tokens above and QWEN3_TEMPLATE), saved in `folder` and loaded."""
-    from tokenizers import AddedToken, Tokenizer
-    from transformers import AutoTokenizer
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer.from_str(_tokenizer_files(512)["tokenizer.json"])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN])
-    (folder / "tokenizer.json").write_text(tok.to_str())
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
-              "pad_token": "</s>", "chat_template": QWEN3_TEMPLATE, "model_max_length": 4096}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return AutoTokenizer.from_pretrained(folder)
+    return write_chat_tokenizer(folder, SPECIAL, PLAIN, QWEN3_TEMPLATE, "<|im_end|>")
 
 
 def make_thinking_llama(folder: Path) -> Path:

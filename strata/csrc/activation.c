@@ -8,48 +8,38 @@
 #include "bf16.h"
 #include "fast_exp.h"
 
-#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                                  \
+static inline float silu(float g) { return g / (1.f + fast_exp(-g)); }
+
+/* 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3): torch's approximate="tanh", written as
+   g / (1 + e^(-2u)), the same value without 1 + tanh(u)'s cancellation for negative gates, in a form that
+   vectorizes (fast_exp clamps e^(-2u) for large |u|). */
+static inline float gelu_tanh(float g) {
+    const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return g / (1.f + fast_exp(-2.f * u));
+}
+
+/* out = GATE(gate) * up, row by row; gate_up: [rows, 2 * width] (gate then up, contiguous); out: [rows, width]. */
+#define DEFINE_GATED_MUL(NAME, GATE, T, LOAD, STORE)                                                           \
     static void NAME(const T *gate_up, T *out, int64_t rows, int64_t width) {                                  \
         for (int64_t r = 0; r < rows; r++) {                                                                   \
             const T *gate = gate_up + r * 2 * width, *up = gate + width;                                       \
             T *o = out + r * width;                                                                            \
-            _Pragma("omp simd") for (int64_t i = 0; i < width; i++) {                                          \
-                const float g = LOAD(gate[i]);                                                                 \
-                o[i] = STORE(LOAD(STORE(g / (1.f + fast_exp(-g)))) * LOAD(up[i]));                             \
-            }                                                                                                  \
+            _Pragma("omp simd") for (int64_t i = 0; i < width; i++)                                            \
+                o[i] = STORE(LOAD(STORE(GATE(LOAD(gate[i])))) * LOAD(up[i]));                                  \
         }                                                                                                      \
     }
 
 static inline float same(float v) { return v; }
-DEFINE_SILU_MUL(silu_mul_f32, float, same, same)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_GATED_MUL(silu_mul_f32, silu, float, same, same)
+DEFINE_GATED_MUL(silu_mul_bf16, silu, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_GATED_MUL(gelu_tanh_mul_f32, gelu_tanh, float, same, same)
+DEFINE_GATED_MUL(gelu_tanh_mul_bf16, gelu_tanh, uint16_t, bf16_to_f32, f32_to_bf16)
 
-/* gate_up: [rows, 2 * width] (gate then up, contiguous); out: [rows, width]. */
 void silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int bf16) {
     if (bf16) silu_mul_bf16(gate_up, out, rows, width);
     else silu_mul_f32(gate_up, out, rows, width);
 }
 
-/* 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3): torch's approximate="tanh", written as
-   g / (1 + e^(-2u)), the same value without 1 + tanh(u)'s cancellation for negative gates, in a loop that
-   vectorizes (fast_exp clamps e^(-2u) for large |u|). */
-#define DEFINE_GELU_TANH_MUL(NAME, T, LOAD, STORE)                                                             \
-    static void NAME(const T *gate_up, T *out, int64_t rows, int64_t width) {                                  \
-        for (int64_t r = 0; r < rows; r++) {                                                                   \
-            const T *gate = gate_up + r * 2 * width, *up = gate + width;                                       \
-            T *o = out + r * width;                                                                            \
-            _Pragma("omp simd") for (int64_t i = 0; i < width; i++) {                                          \
-                const float g = LOAD(gate[i]);                                                                 \
-                const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);                             \
-                o[i] = STORE(LOAD(STORE(g / (1.f + fast_exp(-2.f * u)))) * LOAD(up[i]));                       \
-            }                                                                                                  \
-        }                                                                                                      \
-    }
-
-DEFINE_GELU_TANH_MUL(gelu_tanh_mul_f32, float, same, same)
-DEFINE_GELU_TANH_MUL(gelu_tanh_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-
-/* gate_up: [rows, 2 * width] (gate then up, contiguous); out: [rows, width]. */
 void gelu_tanh_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int bf16) {
     if (bf16) gelu_tanh_mul_bf16(gate_up, out, rows, width);
     else gelu_tanh_mul_f32(gate_up, out, rows, width);

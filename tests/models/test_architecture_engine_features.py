@@ -30,9 +30,7 @@ def tokens(outputs: list) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_chunked_prefill_and_prefix_hits_keep_transformers_tokens(arch_path, hf_outputs, name):
-    path = arch_path(name)
+def assert_chunks_and_prefix_hits_keep_transformers_tokens(path, hf_outputs) -> None:
     # One sequence at a time, so the second finds the first's blocks cached; 6-token chunks split every block.
     outputs = strata_greedy(path, SHARED_PREFIX_PROMPTS, 8, enable_prefix_caching=True, max_num_seqs=1,
                             max_num_batched_tokens=6)
@@ -40,9 +38,7 @@ def test_chunked_prefill_and_prefix_hits_keep_transformers_tokens(arch_path, hf_
     assert outputs[1].num_cached_tokens == 2 * BLOCK_SIZE
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_preemption_mid_sequence_recomputes_transformers_tokens(arch_path, hf_outputs, name):
-    path = arch_path(name)
+def assert_preemption_keeps_transformers_tokens(path, hf_outputs) -> None:
     prompts = tuple(tuple(p) for p in random_prompts((28, 29, 30), seed=12))
     # Six blocks admit the three prompts (two blocks each); the first to need a third block preempts another.
     llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory=6 * block_bytes(path),
@@ -51,6 +47,16 @@ def test_preemption_mid_sequence_recomputes_transformers_tokens(arch_path, hf_ou
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert tokens(outputs) == [want["tokens"] for want in hf_outputs(path, prompts, 8)]
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_chunked_prefill_and_prefix_hits_keep_transformers_tokens(arch_path, hf_outputs, name):
+    assert_chunks_and_prefix_hits_keep_transformers_tokens(arch_path(name), hf_outputs)
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_preemption_mid_sequence_recomputes_transformers_tokens(arch_path, hf_outputs, name):
+    assert_preemption_keeps_transformers_tokens(arch_path(name), hf_outputs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

@@ -184,22 +184,13 @@ def test_pp2_and_tp2_give_the_tokens_of_one_process(layouts, name):
 def test_chunked_prefill_prefix_hits_and_preemption_keep_transformers_tokens(gpt_oss_path, hf_outputs):
     """The engine's ways of running a sequence in pieces (test_architecture_engine_features' cases) with sinks,
     8-token windows and routed experts: 6-token chunks, a two-block prefix hit, preemption mid-sequence."""
-    from test_architecture_engine_features import BLOCK_SIZE, SHARED_PREFIX_PROMPTS, block_bytes, tokens
+    from test_architecture_engine_features import (
+        assert_chunks_and_prefix_hits_keep_transformers_tokens,
+        assert_preemption_keeps_transformers_tokens,
+    )
 
-    from strata import LLM, SamplingParams
-
-    path = gpt_oss_path()
-    outputs = strata_greedy(path, SHARED_PREFIX_PROMPTS, 8, enable_prefix_caching=True, max_num_seqs=1,
-                            max_num_batched_tokens=6)
-    assert tokens(outputs) == [want["tokens"] for want in hf_outputs(path, SHARED_PREFIX_PROMPTS, 8)]
-    assert outputs[1].num_cached_tokens == 2 * BLOCK_SIZE
-    prompts = tuple(tuple(p) for p in random_prompts((28, 29, 30), seed=12))
-    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory=6 * block_bytes(path),
-              enable_prefix_caching=False)
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert tokens(outputs) == [want["tokens"] for want in hf_outputs(path, prompts, 8)]
+    assert_chunks_and_prefix_hits_keep_transformers_tokens(gpt_oss_path(), hf_outputs)
+    assert_preemption_keeps_transformers_tokens(gpt_oss_path(), hf_outputs)
 
 
 def make_mxfp4(folder: Path, seed: int = 0) -> Path:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.errors import ConfigError
+from strata.layers.moe import FusedMoE
 from strata.layers.quantization import cpu_matmul
 
 VALUES_PER_BLOCK, BYTES_PER_BLOCK = 32, 16
@@ -106,10 +107,10 @@ class MXFP4ExpertsMethod:
         self.biases: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         self.activation = None
 
-    def stored_names(self, moe: torch.nn.Module) -> dict[str, dict[str, None]]:
+    def stored_names(self, moe: FusedMoE) -> dict[str, dict[str, None]]:
         return {proj: {"blocks": None, "scales": None} for proj in ("gate_up_proj", "down_proj")}
 
-    def load(self, moe: torch.nn.Module, proj: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+    def load(self, moe: FusedMoE, proj: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
         """One fused checkpoint tensor of every expert, cut to this rank's rows (gate_up) or input blocks (down)."""
         e, h, i = moe.num_experts, moe.hidden_size, moe.intermediate_size
         tail = tuple(param.shape[3:])  # (16,) for blocks, () for scales
@@ -127,7 +128,7 @@ class MXFP4ExpertsMethod:
             loaded = loaded.narrow(2, rank * local, local)
         param.data.copy_(loaded)
 
-    def finish(self, moe: torch.nn.Module) -> None:
+    def finish(self, moe: FusedMoE) -> None:
         if self.experts:
             return
         tensors = [moe.gate_up_proj_blocks, moe.gate_up_proj_scales, moe.down_proj_blocks, moe.down_proj_scales]
@@ -147,7 +148,7 @@ class MXFP4ExpertsMethod:
     nbytes = 0  # the stored parameters are the weights that run: FusedMoE counts those
 
 
-def mxfp4_experts(moe: torch.nn.Module, name: str) -> None:
+def mxfp4_experts(moe: FusedMoE, name: str) -> None:
     """Replace a `FusedMoE`'s dense expert tensors by the MXFP4 blocks and scales the checkpoint stores."""
     if moe.quantized:
         raise ConfigError(f"{name}: quantization='experts_int8' cannot requantize experts the checkpoint stores as "

@@ -2,16 +2,11 @@
 float64 products of the dequantized weight, and the checkpoint's quantization_config."""
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+from c_builds import forced_build
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from strata import native
 from strata.errors import ConfigError
 from strata.layers.quantization import cpu_matmul, mxfp4
 from strata.quant_config import MXFP4QuantConfig, parse_quant_config, quant_tp_problem
@@ -102,42 +97,10 @@ def test_c_product_matches_the_dequantized_weight_for_1_to_20_rows():
     _check_products("native build")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-_BUILDS = {"portable": (["-DSTRATA_PORTABLE"], set()),
-           "avx2": (["-mavx2", "-mfma", "-DSTRATA_NO_AVX512"], {"avx2", "fma"}),
-           "avx512": (["-mavx2", "-mfma", "-mavx512f", "-mavx512bw"], {"avx2", "fma", "avx512f", "avx512bw"})}
-
-
-@pytest.mark.parametrize("build", sorted(_BUILDS))
+@pytest.mark.parametrize("build", ["portable", "avx2", "avx512"])
 def test_each_c_build_matches_the_dequantized_weight(build, tmp_path, monkeypatch):
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    flags, needs = _BUILDS[build]
-    if needs - _cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
-    libraries = {}
-    for name in ("weight_only", "weight_gemm"):
-        source = Path(native.__file__).with_name("csrc") / f"{name}.c"
-        target = tmp_path / f"{name}_{build}.so"
-        subprocess.run([compiler, "-O1", "-fopenmp", "-shared", "-fPIC", *flags, str(source), "-o", str(target),
-                        "-lm"], check=True)
-        libraries[name] = ctypes.CDLL(str(target))
-    monkeypatch.setattr(native, "load", libraries.__getitem__)
-    cpu_matmul._library.cache_clear()
-    cpu_matmul._gemm_library.cache_clear()
-    try:
+    with forced_build(build, tmp_path, monkeypatch):
         _check_products(build)
-    finally:
-        cpu_matmul._library.cache_clear()
-        cpu_matmul._gemm_library.cache_clear()
 
 
 def test_one_expert_and_a_row_parallel_shard_multiply_from_their_views():

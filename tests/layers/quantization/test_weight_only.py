@@ -1,15 +1,10 @@
 """The packed weight-only layout round-trips, and every kernel path matches dequantize-then-matmul."""
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+from c_builds import BUILDS, cpu_flags, forced_build
 
-from strata import native
 from strata.layers.quantization import cpu_matmul
 from strata.layers.quantization.weight_only import (
     SMALL_BATCH,
@@ -146,41 +141,13 @@ def test_gemm_matches_the_reference_for_every_kind(m, n, k, threads):
         torch.set_num_threads(before)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-# Each build the library can take, forced here so that a machine of any kind checks the others it can run:
-# the plain-C fallback (CPUs without AVX2/FMA), AVX2/FMA with AVX-512 off, AVX-512 without VNNI, and with it.
-_AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw"]
-_BUILDS = {"portable": (["-DSTRATA_PORTABLE"], set()),
-           "avx2": (["-mavx2", "-mfma", "-DSTRATA_NO_AVX512"], {"avx2", "fma"}),
-           "avx512": (_AVX512, {"avx2", "fma", "avx512f", "avx512bw"}),
-           "avx512_vnni": ([*_AVX512, "-mavx512vnni"], {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"})}
-
-
-@pytest.mark.parametrize("build", sorted(_BUILDS))
+@pytest.mark.parametrize("build", sorted(BUILDS))
 def test_each_c_build_matches_the_reference(build, tmp_path, monkeypatch):
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    flags, needs = _BUILDS[build]
-    if needs - _cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
-    libraries = {}
-    for name in ("weight_only", "weight_gemm"):
-        source = Path(native.__file__).with_name("csrc") / f"{name}.c"
-        target = tmp_path / f"{name}_{build}.so"
-        subprocess.run([compiler, "-O2", "-fopenmp", "-shared", "-fPIC", *flags, str(source), "-o", str(target),
-                        "-lm"], check=True)
-        libraries[name] = ctypes.CDLL(str(target))
-    monkeypatch.setattr(native, "load", libraries.__getitem__)
-    cpu_matmul._library.cache_clear()
-    cpu_matmul._gemm_library.cache_clear()
+    with forced_build(build, tmp_path, monkeypatch, "-O2"):
+        _check_builds_products(build)
+
+
+def _check_builds_products(build: str) -> None:
     before = torch.get_num_threads()
     try:
         for m, threads in [(1, 1), (3, 2), (11, 2)]:  # 11 rows of x: passes of 8, 2 and 1 rows; 6 and 5 in the GEMM
@@ -195,8 +162,6 @@ def test_each_c_build_matches_the_reference(build, tmp_path, monkeypatch):
                     _assert_close_to(y, expected, f"{build} GEMM, kind {kind}, {m} rows")
     finally:
         torch.set_num_threads(before)
-        cpu_matmul._library.cache_clear()
-        cpu_matmul._gemm_library.cache_clear()
 
 
 def test_bfloat16_input_gives_bfloat16_output_close_to_float32():
@@ -259,7 +224,7 @@ def test_small_batch_kernel_keeps_tiny_and_huge_activations_exact(bits):
     q, scales, _ = _random_weight(16, 256, bits, 128, True)
     w = pack_weight(q, scales, None, bits, 128)
     weight = dequantize(w).double()
-    for magnitude in (1e-25, 1e30) + (() if "avx512_vnni" in _cpu_flags() else (1e-39,)):
+    for magnitude in (1e-25, 1e30) + (() if "avx512_vnni" in cpu_flags() else (1e-39,)):
         x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0)) * magnitude
         x[0, :128] *= 1e-3  # two x blocks, far apart
         reference = x.double() @ weight.T

@@ -1,0 +1,57 @@
+"""The weight-only and GEMM libraries built with forced instruction sets, so that a machine of any kind checks every
+build it can run (the plain-C fallback, AVX2/FMA with AVX-512 off, AVX-512 without VNNI, and with it), beside the
+native build the other tests use."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from strata import native
+from strata.layers.quantization import cpu_matmul
+
+_AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw"]
+# name -> (compiler flags, the CPU flags the build needs to run)
+BUILDS = {"portable": (["-DSTRATA_PORTABLE"], set()),
+          "avx2": (["-mavx2", "-mfma", "-DSTRATA_NO_AVX512"], {"avx2", "fma"}),
+          "avx512": (_AVX512, {"avx2", "fma", "avx512f", "avx512bw"}),
+          "avx512_vnni": ([*_AVX512, "-mavx512vnni"], {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"})}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@contextlib.contextmanager
+def forced_build(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, opt: str = "-O1") -> Iterator[None]:
+    """cpu_matmul's products run on `build` inside the block (skipped where no compiler or the CPU cannot run it)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    flags, needs = BUILDS[build]
+    if needs - cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
+    libraries = {}
+    for name in ("weight_only", "weight_gemm"):
+        source = Path(native.__file__).with_name("csrc") / f"{name}.c"
+        target = tmp_path / f"{name}_{build}.so"
+        subprocess.run([compiler, opt, "-fopenmp", "-shared", "-fPIC", *flags, str(source), "-o", str(target), "-lm"],
+                       check=True)
+        libraries[name] = ctypes.CDLL(str(target))
+    monkeypatch.setattr(native, "load", libraries.__getitem__)
+    cpu_matmul._library.cache_clear()
+    cpu_matmul._gemm_library.cache_clear()
+    try:
+        yield
+    finally:
+        cpu_matmul._library.cache_clear()
+        cpu_matmul._gemm_library.cache_clear()
