@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny models and few prompts (a smoke test)")
     parser.add_argument("--budget-s", type=float, default=450.0, help="sections that would start later are skipped")
     parser.add_argument("--pytest-timeout-s", type=float, default=150.0)
-    parser.add_argument("--gpu-tests", default="tests/test_cuda.py,tests/kernels/triton",
+    parser.add_argument("--gpu-tests", default="tests/test_cuda.py,tests/strata_kernels/triton",
                         help="comma-separated paths for `pytest -m gpu`, those that exist (never a folder that holds "
                              "server tests: they import fastapi)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, from: " + ",".join(SECTIONS))

@@ -32,13 +32,13 @@ PROMPTS = tuple(tuple(p) for p in random_prompts((5, 11, 24), seed=7))  # 5 + 16
 MAX_TOKENS = 16
 
 
-def transformers_generate(path: Path, prompts, max_tokens: int, model_class: str = "AutoModelForCausalLM"
-                          ) -> list[dict]:
+def transformers_generate(path: Path, prompts, max_tokens: int, model_class: str = "AutoModelForCausalLM",
+                          **load_options) -> list[dict]:
     """transformers' `generate` (greedy, its KV cache, no stop token) and the log-softmax of a full forward pass
-    over prompt + output at every generated position."""
+    over prompt + output at every generated position. `load_options` go to `from_pretrained`."""
     import transformers
 
-    model = getattr(transformers, model_class).from_pretrained(path, dtype=torch.float32).eval()
+    model = getattr(transformers, model_class).from_pretrained(path, dtype=torch.float32, **load_options).eval()
     results = []
     with torch.no_grad():
         for prompt in prompts:

@@ -206,11 +206,15 @@ def make_mxfp4(folder: Path, seed: int = 0) -> Path:
 def test_mxfp4_checkpoint_matches_transformers_dequantizing_it(tmp_path):
     """transformers (on CPU) dequantizes the experts to float32 exactly; strata keeps them 4-bit and must give its
     tokens and logprobs. The 40-token prompt sends more than the C kernel's rows through an expert (the
-    dequantized-panel GEMM), decode steps fewer."""
+    dequantized-panel GEMM), decode steps fewer. transformers is told to dequantize: with the `kernels` package
+    installed it would otherwise fetch its MXFP4 kernels from the Hub."""
+    from transformers import Mxfp4Config
+
     path = make_mxfp4(tmp_path / "mxfp4")
     prompts = [*PROMPTS[:2], *random_prompts((40,), seed=8)]
     assert_matches_transformers(strata_greedy(path, prompts, MAX_TOKENS),
-                                transformers_generate(path, prompts, MAX_TOKENS))
+                                transformers_generate(path, prompts, MAX_TOKENS,
+                                                      quantization_config=Mxfp4Config(dequantize=True)))
 
 
 def test_mxfp4_experts_stay_four_bit_in_memory(tmp_path):
