@@ -21,7 +21,7 @@ _SOURCES = Path(__file__).with_name("csrc")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("STRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
     return Path(root) / "kernels"
 
@@ -39,7 +39,7 @@ def _build(name: str, compiler: str) -> Path:
     headers = [h.read_bytes() for h in sorted(_SOURCES.glob("*.h"))]
     key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join([compiler, *_FLAGS]).encode(),
                                      platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"{name}-{key}.so"
+    target = cache_dir() / f"{name}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

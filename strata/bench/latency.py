@@ -81,7 +81,7 @@ def _on_cuda(device: str) -> bool:
 def cpu_kernels_line(llm) -> str:
     """Which CPU paths the run took: the decode steps each fused path served (an in-process model only) and the
     instruction set the small-batch kernels were built for."""
-    from strata.layers.quantization import cpu_matmul
+    from strata.layers.quantization import cpu_matmul, kernel_choice
 
     model = getattr(getattr(llm.engine.executor, "runner", None), "model", None)
     stack = getattr(model, "decode_stack", None)
@@ -91,7 +91,16 @@ def cpu_kernels_line(llm) -> str:
         served = stack.served
         paths = (f"{served['whole step']} decode steps in one C call each, {served['stack']} with every layer in "
                  f"one call, {served['blocks']} layer by layer in C blocks, of {llm.engine.stats['steps']} steps")
-    return f"CPU kernels: {paths}; small-batch products built for {cpu_matmul.build()}"
+    line = f"CPU kernels: {paths}; small-batch products built for {cpu_matmul.build()}"
+    choice = kernel_choice.summary(_gguf_types(model)) if model is not None else ""
+    return f"{line}; {choice}" if choice else line
+
+
+def _gguf_types(model) -> set[int]:
+    """The GGUF block types an in-process model's layers hold."""
+    return {w.ggml_type for module in model.modules() for w in (getattr(getattr(module, "quant", None), "weights",
+                                                                        None) or [])
+            if hasattr(w, "ggml_type")}
 
 
 def run_latency(args: argparse.Namespace) -> int:

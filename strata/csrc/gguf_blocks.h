@@ -147,29 +147,30 @@ static inline __m128i fifth_bits16(uint32_t bits) {
     return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(0x10));
 }
 
-/* Run j of a block dequantized as four registers of 8 floats (values 32j .. 32j + 31 of the block). */
-static inline __attribute__((always_inline)) void gguf_run(const int KIND, const uint8_t *block, int j,
-                                                           __m256 v[4]) {
+/* Run j of a block as two vectors of 16 bytes q (its values 0-15 and 16-31; Q8_0's signed), each half's values
+   q * scale[i] + offset[i]: one extraction that the AVX2 and AVX-512 kernels widen at their own widths. */
+static inline __attribute__((always_inline)) void gguf_run_bytes(const int KIND, const uint8_t *block, int j,
+                                                                 __m128i q[2], float scale[2], float offset[2]) {
     const __m128i nibble = _mm_set1_epi8(15);
     if (KIND == KIND_Q8_0) {
-        const __m256 d = _mm256_set1_ps(half_at(block)), zero = _mm256_setzero_ps();
-        widen16(_mm_loadu_si128((const __m128i *)(block + 2)), 1, d, zero, v);
-        widen16(_mm_loadu_si128((const __m128i *)(block + 18)), 1, d, zero, v + 2);
+        q[0] = _mm_loadu_si128((const __m128i *)(block + 2));
+        q[1] = _mm_loadu_si128((const __m128i *)(block + 18));
+        scale[0] = scale[1] = half_at(block), offset[0] = offset[1] = 0.f;
     } else if (KIND == KIND_Q4_K || KIND == KIND_Q5_K) {
         const uint8_t *qs = block + (KIND == KIND_Q5_K ? 48 : 16) + 32 * (j / 2);
         int sc, mn;
         k_scale_min(block + 4, j, &sc, &mn);
-        const __m256 scale = _mm256_set1_ps(half_at(block) * (float)sc);
-        const __m256 offset = _mm256_set1_ps(-(half_at(block + 2) * (float)mn));
+        scale[0] = scale[1] = half_at(block) * (float)sc;
+        offset[0] = offset[1] = -(half_at(block + 2) * (float)mn);
         for (int i = 0; i < 2; i++) {
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + 16 * i));
-            __m128i q = _mm_and_si128(j & 1 ? _mm_srli_epi16(bytes, 4) : bytes, nibble);
+            q[i] = _mm_and_si128(j & 1 ? _mm_srli_epi16(bytes, 4) : bytes, nibble);
             if (KIND == KIND_Q5_K) {
                 const __m128i bit = _mm_set1_epi8((char)(1 << j));
                 const __m128i qh = _mm_loadu_si128((const __m128i *)(block + 16 + 16 * i));
-                q = _mm_or_si128(q, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(qh, bit), bit), _mm_set1_epi8(0x10)));
+                q[i] = _mm_or_si128(q[i], _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(qh, bit), bit),
+                                                        _mm_set1_epi8(0x10)));
             }
-            widen16(q, 0, scale, offset, v + 2 * i);
         }
     } else if (KIND == KIND_Q6_K) {
         const int h = j / 4, s = j % 4;
@@ -179,27 +180,35 @@ static inline __attribute__((always_inline)) void gguf_run(const int KIND, const
             const __m128i low = _mm_loadu_si128((const __m128i *)(ql + 16 * i));
             const __m128i high =
                 _mm_srl_epi16(_mm_loadu_si128((const __m128i *)(qh + 16 * i)), _mm_cvtsi32_si128(2 * s));
-            const __m128i q = _mm_or_si128(_mm_and_si128(s < 2 ? low : _mm_srli_epi16(low, 4), nibble),
-                                           _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(3)), 4));
-            const float scale = d * (float)(int8_t)block[192 + 8 * h + 2 * s + i];
-            widen16(q, 0, _mm256_set1_ps(scale), _mm256_set1_ps(-32.f * scale), v + 2 * i);
+            q[i] = _mm_or_si128(_mm_and_si128(s < 2 ? low : _mm_srli_epi16(low, 4), nibble),
+                                _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(3)), 4));
+            scale[i] = d * (float)(int8_t)block[192 + 8 * h + 2 * s + i];
+            offset[i] = -32.f * scale[i];
         }
     } else { /* Q4_0, Q4_1, Q5_0, Q5_1 */
         const int with_min = KIND == KIND_Q4_1 || KIND == KIND_Q5_1, five = KIND == KIND_Q5_0 || KIND == KIND_Q5_1;
         const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + (with_min ? 4 : 2) + (five ? 4 : 0)));
-        __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+        q[0] = _mm_and_si128(bytes, nibble), q[1] = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
         if (five) {
             uint32_t qh;
             memcpy(&qh, block + (with_min ? 4 : 2), sizeof qh);
-            low = _mm_or_si128(low, fifth_bits16(qh & 0xffff));
-            high = _mm_or_si128(high, fifth_bits16(qh >> 16));
+            q[0] = _mm_or_si128(q[0], fifth_bits16(qh & 0xffff));
+            q[1] = _mm_or_si128(q[1], fifth_bits16(qh >> 16));
         }
         const float d = half_at(block);
-        const __m256 scale = _mm256_set1_ps(d);
-        const __m256 offset = _mm256_set1_ps(with_min ? half_at(block + 2) : -(five ? 16.f : 8.f) * d);
-        widen16(low, 0, scale, offset, v);
-        widen16(high, 0, scale, offset, v + 2);
+        scale[0] = scale[1] = d;
+        offset[0] = offset[1] = with_min ? half_at(block + 2) : -(five ? 16.f : 8.f) * d;
     }
+}
+
+/* Run j of a block dequantized as four registers of 8 floats (values 32j .. 32j + 31 of the block). */
+static inline __attribute__((always_inline)) void gguf_run(const int KIND, const uint8_t *block, int j,
+                                                           __m256 v[4]) {
+    __m128i q[2];
+    float scale[2], offset[2];
+    gguf_run_bytes(KIND, block, j, q, scale, offset);
+    for (int i = 0; i < 2; i++)
+        widen16(q[i], KIND == KIND_Q8_0, _mm256_set1_ps(scale[i]), _mm256_set1_ps(offset[i]), v + 2 * i);
 }
 #endif
 

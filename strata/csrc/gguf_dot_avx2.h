@@ -11,11 +11,14 @@
 #define STRATA_GGUF_DOT_AVX2_H
 #include <immintrin.h>
 
-/* Up to 3 rows of x these kernels, once a row, beat the float ones, which widen each weight once for all rows
-   (one Zen 3 core, [256 x 4096]: Q4_K 236 against 281 us at 2 rows, 226 against 326 at 3, 309 against 254 at 4). */
+/* Up to how many rows of x these kernels, once a row, beat the float ones, which widen each weight once for all rows,
+   depends on the CPU: one Zen 3 core, [256 x 4096]: Q4_K 236 against 281 us at 2 rows, 226 against 326 at 3, 309
+   against 254 at 4; on Zen 4 the AVX-512 float kernel wins from 2 rows. FIXED_POINT_ROWS is the guess until
+   strata/layers/quantization/kernel_choice.py sets each kind's measured crossover (set_fixed_point_rows). */
 #ifndef FIXED_POINT_ROWS
-#define FIXED_POINT_ROWS 3
+#define FIXED_POINT_ROWS (USE_AVX512 ? 1 : 3)
 #endif
+#define FIXED_POINT_MAX_ROWS 8
 
 /* x prepared for one row of weights. `paired` orders each 64 values as the legacy kinds' two blocks come out of
    one register (values 16-31 and 32-47 trade places, as int4_position); otherwise in order. */
@@ -294,14 +297,27 @@ static inline __attribute__((always_inline)) float kquant_row(const uint8_t *row
     return hsum(total) - (KIND == KIND_Q6_K ? 32.f : 1.f) * hsum(offsets);
 }
 
+/* Whether these kernels serve a GGUF kind. */
+static inline int gguf_has_fixed_point(int kind) {
+    switch (kind) {
+    case KIND_Q4_0: case KIND_Q4_1: case KIND_Q5_0: case KIND_Q5_1: case KIND_Q4_K: case KIND_Q5_K: case KIND_Q6_K:
+        return 1;
+    default: return 0;
+    }
+}
+
+/* Per kind (KIND_GGUF + ggml's type, ggml's types below 32), the rows of x up to which these kernels run: written
+   only by set_fixed_point_rows, once a process, before the kind's first product (a calibration's result); -1: not
+   set, FIXED_POINT_ROWS. */
+static int64_t fixed_point_rows_of[32] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+
 /* Rows of x up to which these kernels beat the float ones (gguf_matmul.h) on a kind, 0 for the kinds they do not
    serve. */
 static inline int64_t gguf_fixed_point_rows(int kind) {
-    switch (kind) {
-    case KIND_Q4_0: case KIND_Q4_1: case KIND_Q5_0: case KIND_Q5_1: case KIND_Q4_K: case KIND_Q5_K: case KIND_Q6_K:
-        return FIXED_POINT_ROWS;
-    default: return 0;
-    }
+    if (!gguf_has_fixed_point(kind)) return 0;
+    const int64_t rows = fixed_point_rows_of[kind - KIND_GGUF];
+    return rows < 0 ? FIXED_POINT_ROWS : rows;
 }
 
 #define DEFINE_FIXED_ROWS(KIND, ROW)                                                                              \

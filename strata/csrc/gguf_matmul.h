@@ -21,19 +21,12 @@ static inline void prefetch_blocks(const uint8_t *row, int64_t b, int64_t bytes)
    each run once for 8 rows (1-row passes: 8 dequantizations; 4-row passes: 2). */
 #define GGUF_MAX_MC 8
 
-#if USE_AVX2
 #if USE_AVX512
-/* Two 8-float halves as one 16-float register (AVX-512F alone: insertf32x8 would need AVX-512DQ). */
-static inline __m512 join256(__m256 low, __m256 high) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high),
-                                               1));
-}
-#endif
-
+#include "gguf_rows_avx512.h"
+#elif USE_AVX2
 /* Row n of the weight against MC rows of x (stride k): y[m] = the row's dot product with x row m. One row of x
    keeps four chains of sums (a run's four FMAs would otherwise wait on each other), 2-4 rows two each, 8 rows one
-   (the registers hold no more). With AVX-512, 8 rows multiply each run at twice the width: once the dequantization
-   is shared by 8 rows the FMAs bound the kernel. */
+   (the registers hold no more). */
 static inline __attribute__((always_inline)) void gguf_row(const weights_t *w, int64_t n, const float *x,
                                                           const int KIND, const int MC, float *y) {
     const uint8_t *row = w->data + n * w->row_bytes;
@@ -42,11 +35,6 @@ static inline __attribute__((always_inline)) void gguf_row(const weights_t *w, i
     __m256 total[GGUF_MAX_MC][4];
     for (int m = 0; m < MC; m++)
         for (int c = 0; c < chains; c++) total[m][c] = _mm256_setzero_ps();
-#if USE_AVX512
-    const int wide = MC == 8;
-    __m512 total512[8];
-    for (int m = 0; m < 8; m++) total512[m] = _mm512_setzero_ps();
-#endif
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = row + b * bytes;
         prefetch_blocks(row, b, bytes);
@@ -54,15 +42,6 @@ static inline __attribute__((always_inline)) void gguf_row(const weights_t *w, i
             __m256 v[4];
             gguf_run(KIND, block, j, v);
             const float *xb = x + b * per_block + 32 * j;
-#if USE_AVX512
-            if (wide) {
-                const __m512 lo = join256(v[0], v[1]), hi = join256(v[2], v[3]);
-                for (int m = 0; m < 8; m++)
-                    total512[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + m * w->k + 16),
-                                                  _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb + m * w->k), total512[m]));
-                continue;
-            }
-#endif
             for (int m = 0; m < MC; m++)
                 for (int r = 0; r < 4; r++)
                     total[m][r % chains] = _mm256_fmadd_ps(v[r], _mm256_loadu_ps(xb + m * w->k + 8 * r),
@@ -70,12 +49,6 @@ static inline __attribute__((always_inline)) void gguf_row(const weights_t *w, i
         }
     }
     for (int m = 0; m < MC; m++) {
-#if USE_AVX512
-        if (wide) {
-            y[m] = _mm512_reduce_add_ps(total512[m]);
-            continue;
-        }
-#endif
         __m256 sum = chains == 1 ? total[m][0] : _mm256_add_ps(total[m][0], total[m][1]);
         if (chains == 4) sum = _mm256_add_ps(sum, _mm256_add_ps(total[m][2], total[m][3]));
         y[m] = hsum(sum);
@@ -132,9 +105,12 @@ static void gguf_row_portable(const weights_t *w, int64_t n, const float *x, int
 #endif
 
 /* Rows n0..n1 of a GGUF weight against every row of x, up to GGUF_MAX_MC rows of x per pass over a weight row
-   (8 on AVX2 CPUs; the portable kernel takes 4). */
+   (8 on AVX2 CPUs; the portable kernel takes 4; AVX-512: 16, gguf_rows_avx512.h). */
 static void gguf_rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float *x, int64_t m_total,
                               const float *bias, float *out) {
+#if USE_AVX512
+    gguf_rows_times_x512(w, n0, n1, x, m_total, bias, out);
+#else
     for (int64_t m0 = 0; m0 < m_total;) {
         const int64_t left = m_total - m0;
         const int mc = left >= 8 && USE_AVX2 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -152,6 +128,7 @@ static void gguf_rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const 
         }
         m0 += mc;
     }
+#endif
 }
 
 /* out[m_total, n] = x times a GGUF block weight's transpose (+ bias); the rows of the weight shared among the

@@ -359,6 +359,30 @@ int weight_rows(const void *weight, int64_t row_bytes, int kind, int64_t k, cons
     return 0;
 }
 
+/* Rows of x up to which a GGUF kind's products take the fixed-point kernels (gguf_dot_avx2.h), 0 to 8; returns 0,
+   or -2 where this build has no fixed-point kernel for the kind. Meant for once a process, before the kind's first
+   product: kernel_choice.py's calibration sets its measured crossover. */
+int set_fixed_point_rows(int kind, int64_t rows) {
+#if USE_AVX2
+    if (!gguf_has_fixed_point(kind) || rows < 0 || rows > FIXED_POINT_MAX_ROWS) return -2;
+    fixed_point_rows_of[kind - KIND_GGUF] = rows;
+    return 0;
+#else
+    (void)kind, (void)rows;
+    return -2;
+#endif
+}
+
+/* The rows of x up to which a GGUF kind takes the fixed-point kernels now (0: never, or none in this build). */
+int64_t fixed_point_rows(int kind) {
+#if USE_AVX2
+    return gguf_fixed_point_rows(kind);
+#else
+    (void)kind;
+    return 0;
+#endif
+}
+
 /* Which of the kernels above this build compiled in, for the CPU it was built on (`strata bench latency` says). */
 const char *weight_only_build(void) {
 #if USE_AVX512 && defined(__AVX512VNNI__)

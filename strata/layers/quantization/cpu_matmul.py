@@ -27,7 +27,9 @@ _SIGNATURE = ([PTR, I64, I64, PTR, I64, I32, PTR, PTR, I64, I64, PTR, PTR, I64, 
 def _library() -> ctypes.CDLL | None:
     return native.bind("weight_only", {"weight_only_matmul": _SIGNATURE,
                                        "weight_rows": ([PTR, I64, I32, I64, PTR, I64, PTR, I32], I32),
-                                       "weight_only_build": ([], ctypes.c_char_p)})
+                                       "weight_only_build": ([], ctypes.c_char_p),
+                                       "set_fixed_point_rows": ([I32, I64], I32),
+                                       "fixed_point_rows": ([I32], I64)})
 
 
 def build() -> str:

@@ -14,7 +14,7 @@ from strata.gguf import types
 from strata.gguf.weights import GGUFTensor
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
-from strata.layers.quantization import gguf_quants
+from strata.layers.quantization import gguf_quants, kernel_choice
 from strata.quant_config import GGUFQuantConfig
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ class GGUFMethod:
                 raise ValueError(f"{self.name}: the pieces of a fused layer stored in several types do not cover "
                                  f"its {self.n} rows")
         self.weights, self.loaded = pieces, []
+        for p in pieces:
+            if p.data.device.type == "cpu":
+                kernel_choice.fixed_point_rows(p.ggml_type)  # measured once a process (and cached) per type
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weights = self._ready()

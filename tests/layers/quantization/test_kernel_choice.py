@@ -1,0 +1,77 @@
+"""The measured kernel choice: the GGUF fixed-point / float crossover is timed once per build and CPU, cached, read
+back instead of re-timed, and products stay exact whichever kernel it picks."""
+from __future__ import annotations
+
+import json
+
+import gguf_packing as gp
+import pytest
+import torch
+
+from strata.layers.quantization import cpu_matmul, gguf_quants, kernel_choice
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C compiler")
+
+
+@pytest.fixture
+def fresh_choice(tmp_path, monkeypatch):
+    """An empty kernel cache, a small calibration weight, and each kind's crossover put back afterwards."""
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_choice, "_WEIGHT_BYTES", 1 << 20)
+    lib = cpu_matmul._library()
+    kinds = [gguf_quants.kernel_kind(t) for t in (gp.Q4_0, gp.Q4_1, gp.Q4_K, gp.Q6_K)]
+    before = {kind: lib.fixed_point_rows(kind) for kind in kinds}
+    kernel_choice.fixed_point_rows.cache_clear()
+    yield lib
+    kernel_choice.fixed_point_rows.cache_clear()
+    for kind, rows in before.items():
+        lib.set_fixed_point_rows(kind, rows)
+
+
+def test_crossover_is_measured_once_then_read_from_the_cache(fresh_choice, monkeypatch):
+    if fresh_choice.set_fixed_point_rows(gguf_quants.kernel_kind(gp.Q4_K), 0) == -2:
+        pytest.skip("this build has no fixed-point kernels")
+    timed = []
+    measure = kernel_choice.measure_fixed_point_rows
+    monkeypatch.setattr(kernel_choice, "measure_fixed_point_rows", lambda *a: timed.append(a) or measure(*a))
+    rows = kernel_choice.fixed_point_rows(gp.Q4_K)
+    assert 0 <= rows <= kernel_choice.MAX_ROWS and len(timed) == 1
+    assert fresh_choice.fixed_point_rows(gguf_quants.kernel_kind(gp.Q4_K)) == rows
+    [cache] = (kernel_choice.native.cache_dir()).glob("*-choices.json")
+    assert json.loads(cache.read_text()) == {"Q4_K": rows}
+    kernel_choice.fixed_point_rows.cache_clear()  # a new process: the cache answers, nothing is timed
+    assert kernel_choice.fixed_point_rows(gp.Q4_K) == rows and len(timed) == 1
+    assert "Q4_K up to" in kernel_choice.summary({gp.Q4_K})
+
+
+def test_types_without_fixed_point_kernels_are_not_timed(fresh_choice):
+    assert kernel_choice.fixed_point_rows(gp.Q8_0) is None
+    assert kernel_choice.fixed_point_rows(gguf_quants.F32) is None
+    assert not list(kernel_choice.native.cache_dir().glob("*-choices.json"))
+
+
+@pytest.mark.parametrize("qtype", (gp.Q4_0, gp.Q4_1, gp.Q4_K, gp.Q6_K), ids=lambda t: gguf_quants.TYPES[t].name)
+def test_products_are_exact_whichever_kernel_the_choice_picks(fresh_choice, qtype):
+    kind = gguf_quants.kernel_kind(qtype)
+    k = 512
+    data = gp.random_blocks(qtype, 29, k, seed=3)
+    weight = gp.reference(data, qtype)
+    for chosen in (0, 8):
+        if fresh_choice.set_fixed_point_rows(kind, chosen) == -2:
+            pytest.skip("this build has no fixed-point kernels")
+        for m in range(1, 10):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) + 2.0
+            y = gguf_quants.gguf_linear(x, torch.from_numpy(data), qtype, k)
+            expected = torch.from_numpy(x.double().numpy() @ weight.T)
+            torch.testing.assert_close(y.double(), expected, rtol=0, atol=1e-5 * expected.abs().max().item(),
+                                       msg=lambda e, m=m, c=chosen: f"{m} rows, fixed point up to {c}: {e}")
+
+
+def test_out_of_range_choices_are_refused(fresh_choice):
+    kind = gguf_quants.kernel_kind(gp.Q4_1)
+    if fresh_choice.set_fixed_point_rows(kind, 2) == -2:
+        pytest.skip("this build has no fixed-point kernels")
+    assert fresh_choice.set_fixed_point_rows(kind, -1) == -2
+    assert fresh_choice.set_fixed_point_rows(kind, 9) == -2
+    assert fresh_choice.set_fixed_point_rows(gguf_quants.kernel_kind(gp.Q8_0), 1) == -2
+    assert fresh_choice.fixed_point_rows(kind) == 2
