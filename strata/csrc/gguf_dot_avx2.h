@@ -20,21 +20,34 @@
 #endif
 #define FIXED_POINT_MAX_ROWS 8
 
-/* x prepared for one row of weights. `paired` orders each 64 values as the legacy kinds' two blocks come out of
-   one register (values 16-31 and 32-47 trade places, as int4_position); otherwise in order. */
+/* How x's digits are ordered for the kernels that read them: in order (Q4_K .. Q6_K); `paired`, each 64 values as
+   the legacy kinds' two blocks come out of one AVX2 register (values 16-31 and 32-47 trade places, as
+   int4_position); `quad`, each 128 values as four blocks come out of one AVX-512 register (gguf_dot_vnni.h): values
+   0-15 of the four blocks, then their values 16-31. */
+enum { X_IN_ORDER, X_PAIRED, X_QUAD };
+
+/* Where the 16 values from h (a multiple of 16) go in a layout. */
+static inline int64_t x_position(int64_t h, int layout) {
+    if (layout == X_PAIRED) return h / I4_CHUNK * I4_CHUNK + int4_position(h % I4_CHUNK);
+    if (layout == X_QUAD) return h / 128 * 128 + (h % 32) / 16 * 64 + (h % 128) / 32 * 16;
+    return h;
+}
+
+/* x prepared for one row of weights, its digits in one of the layouts above. */
 typedef struct {
     float *buffer;     /* the one allocation: x padded with zeros to whole 128-value blocks, then the rest */
     int8_t *digits[I4_DIGITS]; /* x / scale = 65536 digits[0] + 256 digits[1] + digits[2], each [padded K] */
     float *scale;      /* [padded K / 128] of x times `lift` */
     float *sum16;      /* [padded K / 16]: the rounded x summed per 16 values, times its scale */
     float *sum32;      /* [padded K / 32] */
-    int32_t *lanes;    /* [padded K / 8], paired x: the rounded x summed over the 8 values each int32 lane of a
-                          chunk's products takes (4 from either register), for Q4_0 and Q5_0's exact offsets */
+    int32_t *lanes;    /* [padded K / 8], paired or quad x: the rounded x summed over the 8 values each int32
+                          lane of a chunk's products takes (4 from either register), for Q4_0 and Q5_0's exact
+                          offsets */
     float lift;        /* 2^64 for a row of tiny values (its scales would underflow), else 1 */
 } gguf_x_t;
 
 /* One 128-value block b of x rounded into p. */
-static void gguf_round_block(const float *row, int64_t b, float extent, int paired, gguf_x_t *p) {
+static void gguf_round_block(const float *row, int64_t b, float extent, int layout, gguf_x_t *p) {
     const x_rounding_t rounding = x_rounding(extent, p->lift);
     const float scale = p->scale[b] = rounding.scale;
     for (int64_t h = b * I4_XBLOCK; h < (b + 1) * I4_XBLOCK; h += 16) {
@@ -43,14 +56,15 @@ static void gguf_round_block(const float *row, int64_t b, float extent, int pair
             v[j] = x_round8(row + h + 8 * j, &rounding);
             split_digits(v[j], digits[j]);
         }
-        const int64_t at = paired ? h / I4_CHUNK * I4_CHUNK + int4_position(h % I4_CHUNK) : h;
+        const int64_t at = x_position(h, layout);
         for (int d = 0; d < I4_DIGITS; d++) store_bytes16(digits[0][d], digits[1][d], p->digits[d] + at);
         p->sum16[h / 16] = scale * (float)hsum_epi32(_mm256_add_epi32(v[0], v[1]));
-        if (paired) { /* position o of a chunk feeds lane (o % 32) / 4 */
+        if (layout != X_IN_ORDER) { /* position o of a chunk feeds lane (o % 32) / 4 (quad: (o % 64) / 4) */
             int32_t values[16];
             _mm256_storeu_si256((__m256i *)values, v[0]);
             _mm256_storeu_si256((__m256i *)(values + 8), v[1]);
-            int32_t *lanes = p->lanes + at / I4_CHUNK * 8 + at % 32 / 4;
+            int32_t *lanes = layout == X_PAIRED ? p->lanes + at / I4_CHUNK * 8 + at % 32 / 4
+                                                : p->lanes + at / 128 * 16 + at % 64 / 4;
             for (int i = 0; i < 16; i++) lanes[i / 4] += values[i];
         }
         if (h % 32) p->sum32[h / 32] = p->sum16[h / 16 - 1] + p->sum16[h / 16];
@@ -58,7 +72,7 @@ static void gguf_round_block(const float *row, int64_t b, float extent, int pair
 }
 
 /* Round one row of x (k values) to the prepared form; -1 when memory ran out. */
-static int gguf_prepare_x(const float *x, int64_t k, int paired, gguf_x_t *p) {
+static int gguf_prepare_x(const float *x, int64_t k, int layout, gguf_x_t *p) {
     const int64_t xblocks = (k + I4_XBLOCK - 1) / I4_XBLOCK, padded = xblocks * I4_XBLOCK;
     const size_t floats = (size_t)(padded + xblocks + padded / 16 + padded / 32 + padded / 8);
     float *f = aligned_alloc(64, (floats * sizeof(float) + I4_DIGITS * (size_t)padded + 63) / 64 * 64);
@@ -73,7 +87,7 @@ static int gguf_prepare_x(const float *x, int64_t k, int paired, gguf_x_t *p) {
     memset(p->lanes, 0, (size_t)(padded / 8) * sizeof(int32_t));
     for (int d = 0; d < I4_DIGITS; d++) p->digits[d] = (int8_t *)(f + floats) + d * padded;
     p->lift = x_extents(f, xblocks, padded, p->scale); /* the extents wait in p->scale until the lift is known */
-    for (int64_t b = 0; b < xblocks; b++) gguf_round_block(f, b, p->scale[b], paired, p);
+    for (int64_t b = 0; b < xblocks; b++) gguf_round_block(f, b, p->scale[b], layout, p);
     return 0;
 }
 
@@ -320,6 +334,15 @@ static inline int64_t gguf_fixed_point_rows(int kind) {
     return rows < 0 ? FIXED_POINT_ROWS : rows;
 }
 
+#if USE_VNNI
+#include "gguf_dot_vnni.h"
+#define LEGACY_ROW legacy_row_vnni
+#define LEGACY_LAYOUT X_QUAD
+#else
+#define LEGACY_ROW legacy_row
+#define LEGACY_LAYOUT X_PAIRED
+#endif
+
 #define DEFINE_FIXED_ROWS(KIND, ROW)                                                                              \
     static void fixed_rows_##KIND(const weights_t *w, int64_t n0, int64_t n1, const gguf_x_t *xp,              \
                                   const float *bias, float *out) {                                            \
@@ -327,10 +350,10 @@ static inline int64_t gguf_fixed_point_rows(int kind) {
         for (int64_t n = n0; n < n1; n++)                                                                      \
             out[n] = ROW(w->data + n * w->row_bytes, blocks, xp, KIND) / xp->lift + (bias ? bias[n] : 0.f);    \
     }
-DEFINE_FIXED_ROWS(KIND_Q4_0, legacy_row)
-DEFINE_FIXED_ROWS(KIND_Q4_1, legacy_row)
-DEFINE_FIXED_ROWS(KIND_Q5_0, legacy_row)
-DEFINE_FIXED_ROWS(KIND_Q5_1, legacy_row)
+DEFINE_FIXED_ROWS(KIND_Q4_0, LEGACY_ROW)
+DEFINE_FIXED_ROWS(KIND_Q4_1, LEGACY_ROW)
+DEFINE_FIXED_ROWS(KIND_Q5_0, LEGACY_ROW)
+DEFINE_FIXED_ROWS(KIND_Q5_1, LEGACY_ROW)
 DEFINE_FIXED_ROWS(KIND_Q4_K, kquant_row)
 DEFINE_FIXED_ROWS(KIND_Q5_K, kquant_row)
 DEFINE_FIXED_ROWS(KIND_Q6_K, kquant_row)
@@ -342,10 +365,12 @@ typedef void (*fixed_rows_fn)(const weights_t *, int64_t, int64_t, const gguf_x_
    -1 when memory ran out. */
 static int gguf_matmul_fixed_point(const weights_t *w, const float *x, int64_t m_total, const float *bias,
                                    float *out, int num_threads) {
+    const int legacy = w->kind == KIND_Q4_0 || w->kind == KIND_Q4_1 || w->kind == KIND_Q5_0 || w->kind == KIND_Q5_1;
+    const int layout = w->kind == KIND_Q6_K ? X_IN_ORDER : legacy ? LEGACY_LAYOUT : X_PAIRED;
     gguf_x_t *xp = calloc((size_t)m_total, sizeof(gguf_x_t));
     int failed = !xp;
     for (int64_t m = 0; m < m_total && !failed; m++)
-        failed = gguf_prepare_x(x + m * w->k, w->k, w->kind != KIND_Q6_K, xp + m) != 0;
+        failed = gguf_prepare_x(x + m * w->k, w->k, layout, xp + m) != 0;
     if (failed) {
         for (int64_t m = 0; xp && m < m_total; m++) free(xp[m].buffer);
         free(xp);
