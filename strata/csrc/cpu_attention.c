@@ -17,40 +17,85 @@ static void soft_cap(float *s, int64_t n, float cap) {
     for (int64_t i = 0; i < n; i++) s[i] = cap * tanhf(s[i] * inverse);
 }
 
+/* Each query head's scores (n of them from `scores`) as softmax weights: soft-capped first when softcap > 0; a
+   head's sink logit (sinks, else NULL) joins its softmax as an extra column whose weight is dropped (gpt-oss). */
+static void softmax_rows(float *scores, int64_t n, int64_t num_q, float softcap, const float *sinks) {
+    for (int64_t j = 0; j < num_q; j++) {
+        float *s = scores + j * n;
+        if (softcap > 0.f) soft_cap(s, n, softcap);
+        float top = s[0], total = 0.f;
+        for (int64_t i = 1; i < n; i++) top = s[i] > top ? s[i] : top;
+        if (sinks && sinks[j] > top) top = sinks[j];
+        _Pragma("omp simd reduction(+ : total)") for (int64_t i = 0; i < n; i++) {
+            s[i] = fast_exp(s[i] - top);
+            total += s[i];
+        }
+        if (sinks) total += fast_exp(sinks[j] - top);
+        for (int64_t i = 0; i < n; i++) s[i] /= total;
+    }
+}
+
+/* Heads of up to this many dimensions (a multiple of 16) take the AVX-512 loops below, where there are. */
+#define WIDE_HEAD_DIM 128
+#if defined(__AVX512F__) && !defined(STRATA_PORTABLE)
+#include <immintrin.h>
+#define WIDE_ATTENTION 1
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 registers' lane sums as one register, lane i the sum of v[(i % 4) * 4 + i / 4]: 16 dot products reduced
+   together in 45 shuffles and adds, where one at a time would take 8 each. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
+}
+#else
+#define WIDE_ATTENTION 0
+#endif
+
 /* One sequence's KV heads [h0, h0 + num_kv) and their query heads attend keys [lo, hi). Whole token rows
    (all those heads at once) are read in cache order: a row per head would jump a page per token and leave
    the hardware prefetcher idle. `scores` holds num_kv * group * (hi - lo) floats; q and out are float32.
-   softcap > 0 caps the scores; sinks (else NULL), one logit per query head here, joins each head's softmax
-   as an extra column whose weight is dropped (gpt-oss). */
-#define DEFINE_ATTEND(NAME, T, LOAD)                                                                          \
+   With AVX-512 and heads of at most WIDE_HEAD_DIM dimensions, scores come 16 tokens at a time (their dot products
+   reduced together) and each head's output stays in registers over the tokens. */
+#define DEFINE_ATTEND(NAME, T, LOAD)                                                                  \
     static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t lo,     \
                      int64_t hi, int64_t num_kv, int64_t group, int64_t head_dim, int64_t block_size,          \
                      int64_t block_stride, int64_t token_stride, float scale, float softcap,                  \
                      const float *sinks, float *scores, float *out) {                                         \
         const int64_t n = hi - lo, num_q = num_kv * group;                                                    \
-        for (int64_t t = lo; t < hi; t++) {                                                                   \
-            const T *k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;   \
-            for (int64_t j = 0; j < num_q; j++) {                                                             \
-                const float *qj = q + j * head_dim;                                                           \
-                const T *kj = k + (j / group) * head_dim;                                                     \
-                float acc = 0.f;                                                                              \
-                _Pragma("omp simd reduction(+ : acc)") for (int64_t d = 0; d < head_dim; d++)                 \
-                    acc += qj[d] * LOAD(kj[d]);                                                               \
-                scores[j * n + t - lo] = scale * acc;                                                         \
+        const int wide = WIDE_ATTENTION && head_dim % 16 == 0 && head_dim <= WIDE_HEAD_DIM;                             \
+        if (wide)                                                                                             \
+            NAME##_scores(q, k_cache, table, lo, hi, num_q, group, head_dim, block_size, block_stride,        \
+                          token_stride, scale, scores);                                                       \
+        else                                                                                                  \
+            for (int64_t t = lo; t < hi; t++) {                                                               \
+                const T *k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride; \
+                for (int64_t j = 0; j < num_q; j++) {                                                         \
+                    const float *qj = q + j * head_dim;                                                       \
+                    const T *kj = k + (j / group) * head_dim;                                                 \
+                    float acc = 0.f;                                                                          \
+                    _Pragma("omp simd reduction(+ : acc)") for (int64_t d = 0; d < head_dim; d++)             \
+                        acc += qj[d] * LOAD(kj[d]);                                                           \
+                    scores[j * n + t - lo] = scale * acc;                                                     \
+                }                                                                                             \
             }                                                                                                 \
-        }                                                                                                     \
-        for (int64_t j = 0; j < num_q; j++) {                                                                 \
-            float *s = scores + j * n;                                                                        \
-            if (softcap > 0.f) soft_cap(s, n, softcap);                                                       \
-            float top = s[0], total = 0.f;                                                                    \
-            for (int64_t i = 1; i < n; i++) top = s[i] > top ? s[i] : top;                                    \
-            if (sinks && sinks[j] > top) top = sinks[j];                                                      \
-            _Pragma("omp simd reduction(+ : total)") for (int64_t i = 0; i < n; i++) {                        \
-                s[i] = fast_exp(s[i] - top);                                                                  \
-                total += s[i];                                                                                \
-            }                                                                                                 \
-            if (sinks) total += fast_exp(sinks[j] - top);                                                     \
-            for (int64_t i = 0; i < n; i++) s[i] /= total;                                                    \
+        softmax_rows(scores, n, num_q, softcap, sinks);                                                       \
+        if (wide) {                                                                                           \
+            NAME##_values(v_cache, table, lo, hi, num_q, group, head_dim, block_size, block_stride,           \
+                          token_stride, scores, out);                                                         \
+            return;                                                                                           \
         }                                                                                                     \
         for (int64_t d = 0; d < num_q * head_dim; d++) out[d] = 0.f;                                          \
         for (int64_t t = lo; t < hi; t++) {                                                                   \
@@ -63,6 +108,65 @@ static void soft_cap(float *s, int64_t n, float cap) {
             }                                                                                                 \
         }                                                                                                     \
     }
+
+#if WIDE_ATTENTION
+/* The AVX-512 score and value loops of DEFINE_ATTEND: rows of 16 tokens' keys found once a tile for all heads. */
+#define DEFINE_WIDE(NAME, T, LOAD16)                                                                          \
+    static void NAME##_scores(const float *q, const T *k_cache, const int32_t *table, int64_t lo, int64_t hi,  \
+                              int64_t num_q, int64_t group, int64_t head_dim, int64_t block_size,             \
+                              int64_t block_stride, int64_t token_stride, float scale, float *scores) {       \
+        const int64_t n = hi - lo, chunks = head_dim / 16;                                                    \
+        for (int64_t t0 = lo; t0 < hi; t0 += 16) {                                                            \
+            const int count = hi - t0 < 16 ? (int)(hi - t0) : 16;                                             \
+            const T *rows[16];                                                                                \
+            for (int s = 0; s < 16; s++) { /* slot s holds token (s % 4) * 4 + s / 4 of the tile (sum16) */   \
+                const int64_t t = t0 + (s % 4) * 4 + s / 4;                                                   \
+                rows[s] = t < hi ? k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride \
+                                 : NULL;                                                                      \
+            }                                                                                                 \
+            for (int64_t j = 0; j < num_q; j++) {                                                             \
+                const float *qj = q + j * head_dim;                                                           \
+                const int64_t head = (j / group) * head_dim;                                                  \
+                __m512 acc[16];                                                                               \
+                for (int s = 0; s < 16; s++) {                                                                \
+                    acc[s] = _mm512_setzero_ps();                                                             \
+                    if (rows[s])                                                                              \
+                        for (int64_t c = 0; c < chunks; c++)                                                  \
+                            acc[s] = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), LOAD16(rows[s] + head + 16 * c), \
+                                                     acc[s]);                                                 \
+                }                                                                                             \
+                _mm512_mask_storeu_ps(scores + j * n + t0 - lo, (__mmask16)((1u << count) - 1),               \
+                                      _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));                      \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    static void NAME##_values(const T *v_cache, const int32_t *table, int64_t lo, int64_t hi, int64_t num_q,   \
+                              int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,      \
+                              int64_t token_stride, const float *scores, float *out) {                        \
+        const int64_t n = hi - lo, chunks = head_dim / 16;                                                    \
+        for (int64_t j = 0; j < num_q; j++) {                                                                 \
+            const float *p = scores + j * n;                                                                  \
+            const int64_t head = (j / group) * head_dim;                                                      \
+            __m512 o[2][WIDE_HEAD_DIM / 16]; /* even and odd tokens: twice the chains of FMAs */              \
+            for (int64_t c = 0; c < chunks; c++) o[0][c] = o[1][c] = _mm512_setzero_ps();                     \
+            for (int64_t t = lo; t < hi; t++) {                                                               \
+                const T *v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + head; \
+                const __m512 weight = _mm512_set1_ps(p[t - lo]);                                              \
+                for (int64_t c = 0; c < chunks; c++)                                                          \
+                    o[t & 1][c] = _mm512_fmadd_ps(weight, LOAD16(v + 16 * c), o[t & 1][c]);                   \
+            }                                                                                                 \
+            for (int64_t c = 0; c < chunks; c++)                                                              \
+                _mm512_storeu_ps(out + j * head_dim + 16 * c, _mm512_add_ps(o[0][c], o[1][c]));               \
+        }                                                                                                     \
+    }
+DEFINE_WIDE(attend_f32, float, load16_f32)
+DEFINE_WIDE(attend_bf16, bf16, load16_bf16)
+#else /* `wide` is 0: never called */
+#define attend_f32_scores(...) ((void)0)
+#define attend_f32_values(...) ((void)0)
+#define attend_bf16_scores(...) ((void)0)
+#define attend_bf16_values(...) ((void)0)
+#endif
 
 #define LOAD_F32(x) (x)
 DEFINE_ATTEND(attend_f32, float, LOAD_F32)

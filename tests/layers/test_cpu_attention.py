@@ -51,9 +51,10 @@ def random_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_kernel_equals_attention_over_the_listed_keys(num_heads, num_kv_heads, block_size):
+@pytest.mark.parametrize("head_dim", [32, 128, 24, 144])  # AVX-512's 16-token tiles (multiples of 16 to 128), or not
+def test_kernel_equals_attention_over_the_listed_keys(num_heads, num_kv_heads, block_size, head_dim):
     seq_lens = [1, 7, 16, 17, 40, 3]
-    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, num_heads, num_kv_heads, 32, block_size)
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], block_size)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(None, None), 0.3)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 0.3), atol=1e-5, rtol=1e-5)
