@@ -23,17 +23,11 @@ static inline __attribute__((always_inline)) __m512 legacy_quad(const uint8_t *b
                                                                __m128 *mins) {
     const int with_min = KIND == KIND_Q4_1 || KIND == KIND_Q5_1, five = KIND == KIND_Q5_0 || KIND == KIND_Q5_1;
     const int64_t bytes = gguf_block_bytes(KIND), qs = (with_min ? 4 : 2) + (five ? 4 : 0);
-    __m512i q;
-    if (count == 4) {
-        q = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(block + qs)));
-        q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(block + bytes + qs)), 1);
-        q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(block + 2 * bytes + qs)), 2);
-        q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(block + 3 * bytes + qs)), 3);
-    } else { /* a row's last blocks: the missing ones zero, never read past the row */
-        uint8_t values[64] = {0};
-        for (int j = 0; j < count; j++) memcpy(values + 16 * j, block + j * bytes + qs, 16);
-        q = _mm512_loadu_si512((const void *)values);
-    }
+    /* a row's last blocks (count < 4): the missing ones zero, never read past the row */
+    __m512i q = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)(block + qs)));
+    if (count > 1) q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(block + bytes + qs)), 1);
+    if (count > 2) q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(block + 2 * bytes + qs)), 2);
+    if (count > 3) q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(block + 3 * bytes + qs)), 3);
     uint64_t low_bits = 0, high_bits = 0; /* Q5's fifth bits: byte 16 j + l of either register is block j's */
     for (int j = 0; j < count; j++) {
         if (five) {
