@@ -1,5 +1,6 @@
 """`strata bench latency`: time per output token of one batch after a fixed prompt (vLLM's name), with the
-effective weight bandwidth: the bytes of weights a decode step reads over the time it takes."""
+effective weight bandwidth (the bytes of weights a decode step reads over the time it takes), the prefill's rate,
+and for scale the machine's plain read loop and best torch matmul."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +52,23 @@ def read_loop_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
         buffer.sum()
         best = min(best, time.perf_counter() - started)
     return nbytes / best
+
+
+def torch_matmul_gflops(size: int = 2048, repeats: int = 3) -> float:
+    """GFLOP/s of torch's best float32 matmul here (square, every thread): the compute scale a prefill can approach."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size ** 3 / best / 1e9
+
+
+def prefill_seconds(llm, prompt_sets: list[list[list[int]]]) -> float:
+    """The shortest time to the first token over prompt sets never seen before (the prefix cache holds none)."""
+    return min(_timed(llm, prompts, 1) for prompts in prompt_sets)
 
 
 def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
@@ -116,6 +134,9 @@ def run_latency(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **engine_kwargs(args))
     try:
         latencies, per_token = measure(llm, prompts, args.output_len, args.num_iters_warmup, args.num_iters)
+        fresh = [random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed + 1 + i,
+                                avoid=model.eos_token_ids) for i in range(max(1, args.num_iters))]
+        ttft = prefill_seconds(llm, fresh)
         if llm.engine.spec is not None:  # --speculative-config: how the drafts fared
             sys.stdout.write(llm.engine.spec.stats.summary() + "\n")
         if read_loop is not None:
@@ -126,16 +147,21 @@ def run_latency(args: argparse.Namespace) -> int:
               "input_len": args.input_len, "output_len": args.output_len, "time_per_output_token": per_token,
               "output_tokens_per_second": args.batch_size / per_token, "weight_bytes": nbytes,
               "weight_bandwidth_gb_per_s": nbytes / per_token / 1e9,
-              "read_loop_gb_per_s": None if read_loop is None else read_loop / 1e9}
+              "read_loop_gb_per_s": None if read_loop is None else read_loop / 1e9, "time_to_first_token": ttft,
+              "prefill_tokens_per_second": args.batch_size * args.input_len / ttft,
+              "torch_matmul_gflops": None if read_loop is None else torch_matmul_gflops()}
     sys.stdout.write(f"Avg latency: {result['avg_latency']:.4f} seconds (batch {args.batch_size}, "
                      f"{args.input_len} in, {args.output_len} out)\n"
                      f"Time per output token: {per_token * 1e3:.2f} ms, {result['output_tokens_per_second']:.2f} "
                      f"output tokens/s\n"
                      f"Effective weight bandwidth: {result['weight_bandwidth_gb_per_s']:.2f} GB/s "
                      f"({nbytes / 1e9:.3f} GB of weights read per step)\n")
+    sys.stdout.write(f"Prefill: {ttft * 1e3:.1f} ms to the first token, {result['prefill_tokens_per_second']:.1f} "
+                     "prompt tokens/s (prompts not seen before)\n")
     if read_loop is not None:
         sys.stdout.write(f"Plain read loop: {read_loop / 1e9:.2f} GB/s (decode reads weights at "
-                         f"{100 * nbytes / per_token / read_loop:.0f}% of it)\n")
+                         f"{100 * nbytes / per_token / read_loop:.0f}% of it); best torch matmul "
+                         f"{result['torch_matmul_gflops']:.1f} GFLOP/s (float32, 2048 x 2048 x 2048)\n")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
