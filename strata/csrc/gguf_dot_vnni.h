@@ -10,9 +10,15 @@
 
 /* The halves at p, p + stride, .. (count of them, 1-4) as floats, zeros after them. */
 static inline __m128 four_halves(const uint8_t *p, int64_t stride, int count) {
+#if defined(__F16C__)
     uint64_t bits = 0;
     for (int j = 0; j < count; j++) bits |= (uint64_t)half_bits(p + j * stride) << (16 * j);
     return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)bits));
+#else
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < count; j++) v[j] = f16_to_f32(half_bits(p + j * stride));
+    return _mm_loadu_ps(v);
+#endif
 }
 
 /* Blocks b .. b + 3 (`count` of them, 1-4: a row's last ones) against quad x: the four d's times x's scale, each
