@@ -91,7 +91,7 @@ def fixed_point_rows(qtype: int) -> int | None:
         return None  # no such kernel here (a portable build, or a kind it does not serve)
     key = gguf_quants.type_name(qtype)
     rows = _read_cache().get(key)
-    if rows is None:
+    if rows is None or not 0 <= rows <= MAX_ROWS:  # none yet, or a cache file edited out of range
         t = gguf_quants.TYPES[qtype]
         rows = measure_fixed_point_rows(kind, t.values_per_block, t.bytes_per_block)
         _write_cache(key, rows)
