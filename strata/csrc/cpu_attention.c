@@ -69,13 +69,13 @@ static inline __m512 sum16(const __m512 v[16]) {
    the hardware prefetcher idle. `scores` holds num_kv * group * (hi - lo) floats; q and out are float32.
    With AVX-512 and heads of at most WIDE_HEAD_DIM dimensions, scores come 16 tokens at a time (their dot products
    reduced together) and each head's output stays in registers over the tokens. */
-#define DEFINE_ATTEND(NAME, T, LOAD)                                                                  \
+#define DEFINE_ATTEND(NAME, T, LOAD)                                                                          \
     static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t lo,     \
                      int64_t hi, int64_t num_kv, int64_t group, int64_t head_dim, int64_t block_size,          \
                      int64_t block_stride, int64_t token_stride, float scale, float softcap,                  \
                      const float *sinks, float *scores, float *out) {                                         \
         const int64_t n = hi - lo, num_q = num_kv * group;                                                    \
-        const int wide = WIDE_ATTENTION && head_dim % 16 == 0 && head_dim <= WIDE_HEAD_DIM;                             \
+        const int wide = WIDE_ATTENTION && head_dim % 16 == 0 && head_dim <= WIDE_HEAD_DIM;                   \
         if (wide)                                                                                             \
             NAME##_scores(q, k_cache, table, lo, hi, num_q, group, head_dim, block_size, block_stride,        \
                           token_stride, scale, scores);                                                       \

@@ -35,12 +35,10 @@ static inline __attribute__((always_inline)) __m512 legacy_quad(const uint8_t *b
     if (count > 2) q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(block + 2 * bytes + qs)), 2);
     if (count > 3) q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(block + 3 * bytes + qs)), 3);
     uint64_t low_bits = 0, high_bits = 0; /* Q5's fifth bits: byte 16 j + l of either register is block j's */
-    for (int j = 0; j < count; j++) {
-        if (five) {
-            uint32_t qh;
-            memcpy(&qh, block + j * bytes + qs - 4, sizeof qh);
-            low_bits |= (uint64_t)(qh & 0xffff) << (16 * j), high_bits |= (uint64_t)(qh >> 16) << (16 * j);
-        }
+    for (int j = 0; five && j < count; j++) {
+        uint32_t qh;
+        memcpy(&qh, block + j * bytes + qs - 4, sizeof qh);
+        low_bits |= (uint64_t)(qh & 0xffff) << (16 * j), high_bits |= (uint64_t)(qh >> 16) << (16 * j);
     }
     const __m512i nibble = _mm512_set1_epi8(15);
     __m512i low = _mm512_and_si512(q, nibble), high = _mm512_and_si512(_mm512_srli_epi16(q, 4), nibble);

@@ -1,7 +1,8 @@
 /* Small-batch products of GGUF block weights (included by weight_only.c after its dense kernels): each weight row
    read once for every row of x, its 32-value runs dequantized in registers (gguf_blocks.h) and multiplied in float,
-   as `x @ dequantized.T` is; on AVX2 CPUs 1-3 rows of x take the fixed-point kernels of gguf_dot_avx2.h instead
-   (Q8_0, whose float kernel already reads at memory speed, excepted). */
+   as `x @ dequantized.T` is (AVX-512: gguf_rows_avx512.h); on AVX2 CPUs the fewest rows of x take the fixed-point
+   kernels of gguf_dot_avx2.h instead, up to a count measured per kind (Q8_0, whose float kernel already reads at
+   memory speed, excepted). */
 #ifndef STRATA_GGUF_MATMUL_H
 #define STRATA_GGUF_MATMUL_H
 
@@ -17,8 +18,8 @@ static inline void prefetch_blocks(const uint8_t *row, int64_t b, int64_t bytes)
         __builtin_prefetch(row + line + PREFETCH_BYTES, 0, 3);
 }
 
-/* Rows of x per pass over a weight row: 8 lets a verification step of speculative decoding (k + 1 rows) dequantize
-   each run once for 8 rows (1-row passes: 8 dequantizations; 4-row passes: 2). */
+/* Rows of x per pass over a weight row of the AVX2 kernel: 8 lets a verification step of speculative decoding
+   (k + 1 rows) dequantize each run once for 8 rows (1-row passes: 8 dequantizations; 4-row passes: 2). */
 #define GGUF_MAX_MC 8
 
 #if USE_AVX512
@@ -105,7 +106,7 @@ static void gguf_row_portable(const weights_t *w, int64_t n, const float *x, int
 #endif
 
 /* Rows n0..n1 of a GGUF weight against every row of x, up to GGUF_MAX_MC rows of x per pass over a weight row
-   (8 on AVX2 CPUs; the portable kernel takes 4; AVX-512: 16, gguf_rows_avx512.h). */
+   (8 on AVX2 CPUs; the portable kernel takes 4; AVX-512: 12, gguf_rows_avx512.h). */
 static void gguf_rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float *x, int64_t m_total,
                               const float *bias, float *out) {
 #if USE_AVX512

@@ -360,8 +360,8 @@ int weight_rows(const void *weight, int64_t row_bytes, int kind, int64_t k, cons
 }
 
 /* Rows of x up to which a GGUF kind's products take the fixed-point kernels (gguf_dot_avx2.h), 0 to 8; returns 0,
-   or -2 where this build has no fixed-point kernel for the kind. Meant for once a process, before the kind's first
-   product: kernel_choice.py's calibration sets its measured crossover. */
+   or -2 where this build has no fixed-point kernel for the kind. Set while no product of the kind runs:
+   kernel_choice.py's calibration, then its measured crossover, before a model's first step. */
 int set_fixed_point_rows(int kind, int64_t rows) {
 #if USE_AVX2
     if (!gguf_has_fixed_point(kind) || rows < 0 || rows > FIXED_POINT_MAX_ROWS) return -2;
@@ -373,13 +373,13 @@ int set_fixed_point_rows(int kind, int64_t rows) {
 #endif
 }
 
-/* The rows of x up to which a GGUF kind takes the fixed-point kernels now (0: never, or none in this build). */
+/* The rows of x up to which a GGUF kind takes the fixed-point kernels now; -2 where this build has none for it. */
 int64_t fixed_point_rows(int kind) {
 #if USE_AVX2
-    return gguf_fixed_point_rows(kind);
+    return gguf_has_fixed_point(kind) ? gguf_fixed_point_rows(kind) : -2;
 #else
     (void)kind;
-    return 0;
+    return -2;
 #endif
 }
 

@@ -87,7 +87,7 @@ def fixed_point_rows(qtype: int) -> int | None:
         return None
     lib = cpu_matmul._library()
     kind = gguf_quants.kernel_kind(qtype)
-    if lib.fixed_point_rows(kind) == 0 and lib.set_fixed_point_rows(kind, 0) == -2:
+    if lib.fixed_point_rows(kind) < 0:
         return None  # no such kernel here (a portable build, or a kind it does not serve)
     key = gguf_quants.type_name(qtype)
     rows = _read_cache().get(key)
@@ -104,6 +104,6 @@ def summary(qtypes: set[int]) -> str:
     if not qtypes or not cpu_matmul.available():
         return ""
     lib = cpu_matmul._library()
-    parts = [f"{gguf_quants.type_name(t)} up to {lib.fixed_point_rows(gguf_quants.kernel_kind(t))} rows"
-             for t in sorted(qtypes) if t in gguf_quants.TYPES and gguf_quants.TYPES[t].values_per_block > 1]
+    rows = {t: lib.fixed_point_rows(gguf_quants.kernel_kind(t)) for t in sorted(qtypes) if t in gguf_quants.TYPES}
+    parts = [f"{gguf_quants.type_name(t)} up to {r} rows" for t, r in rows.items() if r >= 0]
     return "GGUF fixed-point kernels (then float): " + ", ".join(parts) if parts else ""

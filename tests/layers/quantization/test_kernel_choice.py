@@ -29,7 +29,7 @@ def fresh_choice(tmp_path, monkeypatch):
 
 
 def test_crossover_is_measured_once_then_read_from_the_cache(fresh_choice, monkeypatch):
-    if fresh_choice.set_fixed_point_rows(gguf_quants.kernel_kind(gp.Q4_K), 0) == -2:
+    if fresh_choice.fixed_point_rows(gguf_quants.kernel_kind(gp.Q4_K)) < 0:
         pytest.skip("this build has no fixed-point kernels")
     timed = []
     measure = kernel_choice.measure_fixed_point_rows
@@ -75,3 +75,4 @@ def test_out_of_range_choices_are_refused(fresh_choice):
     assert fresh_choice.set_fixed_point_rows(kind, 9) == -2
     assert fresh_choice.set_fixed_point_rows(gguf_quants.kernel_kind(gp.Q8_0), 1) == -2
     assert fresh_choice.fixed_point_rows(kind) == 2
+    assert fresh_choice.fixed_point_rows(gguf_quants.kernel_kind(gp.Q8_0)) == -2  # no such kernel
