@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from strata import model_registry as registry
-from strata.engine_args import KERNELS, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
+from strata.engine_args import KERNELS, KV_CACHE_DTYPES, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
 from strata.errors import ConfigError
 from strata.gguf.config import hf_config as gguf_hf_config
 from strata.gguf.reader import GGUFModel
@@ -225,6 +225,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     mamba_ssm_cache_dtype: str = "float32"  # auto (= the model dtype) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (= the model dtype) | bfloat16
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
 
     def ssm_state_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype if self.mamba_ssm_cache_dtype == "auto" else _DTYPES[self.mamba_ssm_cache_dtype]
@@ -290,7 +294,7 @@ class EngineConfig:
             logger.info("prefix caching is off for hybrid models (their recurrent state is not snapshotted)")
             enable_prefix_caching = False
         cache = CacheConfig(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization,
-                            enable_prefix_caching, args.mamba_ssm_cache_dtype)
+                            enable_prefix_caching, args.mamba_ssm_cache_dtype, args.kv_cache_dtype)
         max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
         scheduler = SchedulerConfig(args.max_num_seqs, max_num_batched_tokens, model_config.max_model_len)
         if isinstance(served_model_name, str):
@@ -334,6 +338,12 @@ def _check_options(args: EngineArgs) -> None:
         raise ConfigError(f"quantization {args.quantization!r} is not supported (supported: "
                           f"{', '.join(QUANTIZATIONS)})",
                           param="quantization")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported (supported: auto, bfloat16; fp8 "
+                          "caches are not)", param="kv_cache_dtype")
+    if args.kv_cache_dtype != "auto" and resolve_device(args.device).type != "cpu":
+        raise ConfigError(f"kv_cache_dtype={args.kv_cache_dtype!r} is supported on CPU only (the GPU kernels read "
+                          "a cache of the model's dtype); use kv_cache_dtype='auto'", param="kv_cache_dtype")
     if args.mamba_ssm_cache_dtype not in SSM_STATE_DTYPES:
         raise ConfigError(f"mamba_ssm_cache_dtype {args.mamba_ssm_cache_dtype!r} is not one of auto, float32, "
                           "bfloat16, float16", param="mamba_ssm_cache_dtype")

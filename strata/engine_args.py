@@ -13,6 +13,7 @@ from strata.reasoning import REASONING_PARSERS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 SSM_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16")  # vLLM's names; its fp8 kinds are refused
 QUANTIZATIONS = ("experts_int8", "compressed-tensors", "gptq", "awq", "fp8", "gguf")
 KERNELS = ("auto", "torch", "triton")
 
@@ -82,6 +83,9 @@ class EngineArgs:
     block_size: int = _option(16, "tokens per KV-cache block")
     enable_prefix_caching: bool | None = _option(None, "reuse the KV blocks of shared prompt prefixes "
                                                        "(default: on, off for hybrid models)")
+    kv_cache_dtype: str = _option("auto", "dtype of the KV cache: auto (= the model dtype), or bfloat16 for a float32 "
+                                          "model on CPU (half the cache memory and the bytes a decode step reads)",
+                                  choices=KV_CACHE_DTYPES)
     mamba_ssm_cache_dtype: str = _option("float32", "dtype of the Mamba SSM state (auto = the model dtype)",
                                          choices=SSM_STATE_DTYPES)
     quantization: str | None = _option(None, "experts_int8 quantizes the MoE experts while loading; a quantized "

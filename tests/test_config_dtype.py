@@ -1,5 +1,5 @@
 """dtype=auto on CPUs without native bfloat16 computes bfloat16 checkpoints in float32 (their linear weights kept
-in bfloat16), and says so."""
+in bfloat16), and says so; kv_cache_dtype names the cache's dtype, or is refused."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +11,7 @@ from checkpoints import make_llama
 from strata import config as config_module
 from strata.config import EngineConfig
 from strata.engine_args import EngineArgs
+from strata.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +34,13 @@ def test_explicit_bfloat16_is_kept_without_native_bfloat16(bf16_llama, monkeypat
     monkeypatch.setattr(config_module, "cpu_has_native_bfloat16", lambda: False)
     config = EngineConfig.from_args(EngineArgs(model=str(bf16_llama), device="cpu", dtype="bfloat16"))
     assert config.model.dtype == torch.bfloat16 and config.model.weight_dtype is None
+
+
+def test_kv_cache_dtype_is_the_model_dtype_or_bfloat16_and_fp8_is_refused(bf16_llama):
+    config = EngineConfig.from_args(EngineArgs(model=str(bf16_llama), device="cpu", dtype="float32"))
+    assert config.cache.kv_dtype(config.model.dtype) == torch.float32
+    config = EngineConfig.from_args(EngineArgs(model=str(bf16_llama), device="cpu", dtype="float32",
+                                               kv_cache_dtype="bfloat16"))
+    assert config.cache.kv_dtype(config.model.dtype) == torch.bfloat16
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' is not supported"):
+        EngineConfig.from_args(EngineArgs(model=str(bf16_llama), device="cpu", kv_cache_dtype="fp8"))

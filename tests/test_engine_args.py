@@ -18,6 +18,7 @@ NON_DEFAULTS = {
     "dtype": ("bfloat16", "bfloat16"), "max_model_len": (99, "99"), "max_num_seqs": (7, "7"),
     "max_num_batched_tokens": (64, "64"), "kv_cache_memory": (3 << 20, "3M"), "gpu_memory_utilization": (0.5, "0.5"),
     "block_size": (32, "32"), "enable_prefix_caching": (False, None), "mamba_ssm_cache_dtype": ("auto", "auto"),
+    "kv_cache_dtype": ("bfloat16", "bfloat16"),
     "quantization": ("experts_int8", "experts_int8"), "seed": (5, "5"), "device": ("cpu", "cpu"),
     "nnodes": (2, "2"), "node_rank": (1, "1"), "master_addr": ("10.0.0.1", "10.0.0.1"), "master_port": (29500, "29500"),
     "kernels": ("triton", "triton"),
@@ -72,7 +73,7 @@ def test_every_option_has_help_text():
 
 
 def test_prefixes_of_long_flags_are_accepted():
-    args = build_parser().parse_args(["plan", "m", "--tensor-parallel", "4", "--kv-cache", "1G"])
+    args = build_parser().parse_args(["plan", "m", "--tensor-parallel", "4", "--kv-cache-mem", "1G"])
     assert (args.tensor_parallel_size, args.kv_cache_memory) == (4, 1 << 30)
 
 

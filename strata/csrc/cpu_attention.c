@@ -172,8 +172,9 @@ DEFINE_WIDE(attend_bf16, bf16, load16_bf16)
 DEFINE_ATTEND(attend_f32, float, LOAD_F32)
 DEFINE_ATTEND(attend_bf16, bf16, bf16_to_f32)
 
-/* q, out: [num_seqs, num_heads, head_dim]; caches: [blocks, block_size, num_kv_heads, head_dim], all float32
-   (is_bf16 = 0) or all bfloat16 (1); block_tables: [num_seqs, max_blocks]; sequence s attends keys
+/* q, out: [num_seqs, num_heads, head_dim]; caches: [blocks, block_size, num_kv_heads, head_dim]. `mode` says the
+   dtypes: 0, all float32; 1, all bfloat16; 2, bfloat16 caches with float32 q, out and new keys and values (a float32
+   model's cache under kv_cache_dtype=bfloat16: the new rows are rounded as torch rounds them on a cache write). block_tables: [num_seqs, max_blocks]; sequence s attends keys
    first_keys[s] .. seq_lens[s] - 1. Work items are (sequence, slice of KV heads): whole sequences when there
    are enough of them to share among the threads, thinner slices for small batches.
    With new_k / new_v (else NULL), the step's keys and values (num_seqs rows of num_kv_heads * head_dim values,
@@ -183,12 +184,19 @@ DEFINE_ATTEND(attend_bf16, bf16, bf16_to_f32)
 int scored_decode_attention(const void *q, void *k_cache, void *v_cache, const int32_t *block_tables,
                             const int32_t *first_keys, const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                            float scale, void *out, int num_threads, int is_bf16, const void *new_k,
+                            float scale, void *out, int num_threads, int mode, const void *new_k,
                             const void *new_v, int64_t new_stride, const int64_t *slots, float softcap,
                             const float *sinks) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
-    if (new_k) {
+    const int is_bf16 = mode == 1, bf16_cache = mode != 0;
+    if (new_k && mode == 2) {
+        for (int64_t s = 0; s < num_seqs; s++) {
+            bf16 *k = (bf16 *)k_cache + slots[s] * token_stride, *v = (bf16 *)v_cache + slots[s] * token_stride;
+            const float *nk = (const float *)new_k + s * new_stride, *nv = (const float *)new_v + s * new_stride;
+            for (int64_t i = 0; i < token_stride; i++) k[i] = f32_to_bf16(nk[i]), v[i] = f32_to_bf16(nv[i]);
+        }
+    } else if (new_k) {
         const size_t size = is_bf16 ? 2 : 4, row = (size_t)token_stride * size;
         for (int64_t s = 0; s < num_seqs; s++) {
             memcpy((char *)k_cache + slots[s] * row, (const char *)new_k + s * new_stride * size, row);
@@ -224,7 +232,13 @@ int scored_decode_attention(const void *q, void *k_cache, void *v_cache, const i
             const int64_t head = (s * num_heads + h0 * group) * head_dim, kv = h0 * head_dim;
             const int32_t *table = block_tables + s * max_blocks;
             const float *head_sinks = sinks ? sinks + h0 * group : NULL;
-            if (!is_bf16) {
+            if (mode == 2) {
+                attend_bf16((const float *)q + head, (const bf16 *)k_cache + kv, (const bf16 *)v_cache + kv, table,
+                            lo, hi, num_kv, group, head_dim, block_size, block_stride, token_stride, scale, softcap,
+                            head_sinks, scratch, (float *)out + head);
+                continue;
+            }
+            if (!bf16_cache) {
                 attend_f32((const float *)q + head, (const float *)k_cache + kv, (const float *)v_cache + kv, table,
                            lo, hi, num_kv, group, head_dim, block_size, block_stride, token_stride, scale, softcap,
                            head_sinks, scratch, (float *)out + head);

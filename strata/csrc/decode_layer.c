@@ -72,6 +72,7 @@ typedef struct {
     const float *out_norm;
     float out_eps;
     int64_t rope;
+    int64_t kv_bf16; /* bfloat16 caches (kv_cache_dtype), read and written from float32 rows */
 } attention_block_t;
 
 /* gelu: gate with tanh-approximated GELU instead of SiLU; out_norm as the attention block's. */
@@ -185,8 +186,8 @@ int attention_block(const kernels_t *kn, const attention_block_t *b, const decod
     for (int64_t i = 0; i < t; i++) memcpy(q + i * q_width, qkv + i * row, (size_t)q_width * sizeof(float));
     status = kn->attention(q, b->k_cache, b->v_cache, keys->block_tables, keys->first_keys, keys->seq_lens, t,
                            b->num_heads, b->num_kv_heads, b->head_dim, b->block_size, keys->max_blocks, b->scale,
-                           attn, threads, 0, qkv + q_width, qkv + q_width + kv_width, row, step->slots, b->softcap,
-                           b->sinks);
+                           attn, threads, b->kv_bf16 ? 2 : 0, qkv + q_width, qkv + q_width + kv_width, row,
+                           step->slots, b->softcap, b->sinks);
     if (status) return status;
     status = run_linear(kn, &b->o, attn, t, out, threads);
     if (status) return status;

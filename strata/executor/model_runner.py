@@ -90,8 +90,12 @@ class ModelRunner:
         methods = {id(m.quant): m.quant for m in self.model.modules() if getattr(m, "quant", None) is not None}
         return sum(seen.values()) + sum(q.nbytes for q in methods.values())  # a tied head's method once
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.config.cache.kv_dtype(self.config.model.dtype)
+
     def kv_bytes_per_block(self) -> int:
-        size = torch.empty((), dtype=self.config.model.dtype).element_size()
+        size = torch.empty((), dtype=self.kv_dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * size for a in self.attention_layers)
 
     def state_bytes(self) -> int:
@@ -106,8 +110,8 @@ class ModelRunner:
         self.unzeroed_blocks = bytearray(b"\x01") * num_blocks
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.empty(shape, dtype=self.config.model.dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.config.model.dtype, device=self.device)
+            layer.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         self.zero_blocks = BlockZeroer.create([c for layer in self.attention_layers
                                                for c in (layer.k_cache, layer.v_cache)])
         if self.mamba_layers:  # one state slot per schedulable sequence, as the scheduler's SlotPool

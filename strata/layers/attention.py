@@ -162,7 +162,7 @@ class Attention(nn.Module):
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
         if meta.kernels == "triton":
             return self._forward_triton(q, k, v, meta)
-        if not meta.prefills and k.dtype == self.k_cache.dtype and \
+        if not meta.prefills and k.dtype == q.dtype and \
                 cpu_attention.available(q, self.k_cache) and \
                 cpu_attention.rows_serve(k, v, meta.slot_mapping):  # a decode step: write and read in one call
             tables, first_keys, seq_lens = meta.decode_key_ranges(self.sliding_window, self.chunk_size)
@@ -174,6 +174,8 @@ class Attention(nn.Module):
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        if flat_k.dtype != k.dtype:  # a narrower cache (kv_cache_dtype): a prompt sees its keys as later steps do
+            k, v = k.to(flat_k.dtype).to(k.dtype), v.to(flat_v.dtype).to(v.dtype)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)

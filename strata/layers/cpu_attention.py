@@ -32,8 +32,10 @@ def prepare() -> bool:
 
 
 def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel can serve this layer's decodes (float32 or bfloat16 on CPU, compiler present)."""
-    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype
+    """Whether the kernel can serve this layer's decodes (float32 or bfloat16 on CPU, a cache of q's dtype or a
+    bfloat16 one for float32 q, compiler present)."""
+    return (q.device.type == "cpu" and q.dtype in _DTYPES
+            and (k_cache.dtype == q.dtype or (q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16))
             and _library() is not None)
 
 
@@ -65,13 +67,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = _library().scored_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), first_keys.data_ptr(),
         seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        scale, out.data_ptr(), torch.get_num_threads(), int(q.dtype == torch.bfloat16),
+        scale, out.data_ptr(), torch.get_num_threads(), _mode(q, k_cache),
         None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
         0 if new_k is None else new_k.stride(0), None if slots is None else slots.data_ptr(),
         0.0 if softcap is None else softcap, None if sinks is None else sinks.data_ptr())
     if status != 0:
         raise MemoryError("CPU attention kernel could not allocate its scratch memory")
     return out
+
+
+def _mode(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """The kernel's dtypes: 0 all float32, 1 all bfloat16, 2 a bfloat16 cache read from (and written by) float32."""
+    if k_cache.dtype == torch.float32:
+        return 0
+    return 1 if q.dtype == torch.bfloat16 else 2
 
 
 class BlockZeroer:

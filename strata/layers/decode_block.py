@@ -32,6 +32,8 @@ from strata.layers.rotary import RotaryEmbedding
 from strata.native import PTR
 
 I64, F32 = ctypes.c_int64, ctypes.c_float
+# KV caches the C attention reads from float32 rows: float32, or bfloat16 (--kv-cache-dtype), written rounded.
+_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class _AttentionBlock(ctypes.Structure):
                 ("head_dim", I64), ("block_size", I64), ("scale", F32), ("qkv", _Linear), ("o", _Linear),
                 ("k_cache", PTR), ("v_cache", PTR), ("q_norm", PTR), ("k_norm", PTR), ("qk_eps", F32),
                 ("rotary_dim", I64), ("ranges", I64), ("out_scale", F32), ("softcap", F32), ("sinks", PTR),
-                ("out_norm", PTR), ("out_eps", F32), ("rope", I64)]
+                ("out_norm", PTR), ("out_eps", F32), ("rope", I64), ("kv_bf16", I64)]
 
 
 class _MlpBlock(ctypes.Structure):
@@ -236,7 +238,8 @@ def describe(b: DecoderBlocks, ranges: int, rope: int = 0) -> Plan | None:
     """The layer's blocks as the C calls read them (`ranges`, `rope`: the indices of its attention's key ranges and
     of its rotary's tables in the step), or None when one of its parts needs the modules' path."""
     attn, out_norms = b.attn, (b.attention_out_norm, b.mlp_out_norm)
-    if _library() is None or _kernels() is None or b.rotary.interleaved or attn.k_cache.dtype != torch.float32 \
+    if _library() is None or _kernels() is None or b.rotary.interleaved or attn.k_cache.dtype not in _CACHE_DTYPES \
+            or attn.v_cache.dtype != attn.k_cache.dtype \
             or not kernel_norms(b.input_norm, b.post_attention_norm, b.q_norm, b.k_norm, *out_norms):
         return None
     if b.o_proj.pc.tp_size > 1 and any(out_norms):  # a norm of a block's output must follow its all-reduce
@@ -263,7 +266,8 @@ def describe(b: DecoderBlocks, ranges: int, rope: int = 0) -> Plan | None:
         k_norm=_kernel_weight(b.k_norm, keep), qk_eps=b.q_norm.eps if b.q_norm else 0.0,
         rotary_dim=b.rotary.rotary_dim, ranges=ranges, out_scale=b.output_scale, softcap=attn.softcap or 0.0,
         sinks=_ptr(attn.sinks), out_norm=_kernel_weight(attention_out, keep),
-        out_eps=attention_out.eps if attention_out else 0.0, rope=rope)
+        out_eps=attention_out.eps if attention_out else 0.0, rope=rope,
+        kv_bf16=int(attn.k_cache.dtype == torch.bfloat16))
     keep.extend((attn.k_cache, attn.v_cache))
     mlp = None
     if b.gate_up_proj is not None:

@@ -98,6 +98,35 @@ def test_bfloat16_kernel_computes_in_float32_from_bfloat16_values():
     torch.testing.assert_close(out.float(), expected.bfloat16().float(), atol=0, rtol=2 ** -7)
 
 
+@pytest.mark.parametrize("head_dim", [64, 24])  # AVX-512's tiles, and the portable loops
+def test_a_bfloat16_cache_read_by_float32_queries_gives_float32_outputs_of_its_values(head_dim):
+    """kv_cache_dtype=bfloat16 under a float32 model: q and the output stay float32, the math is float32's."""
+    seq_lens = [1, 9, 40]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, 2, head_dim, 16, seed=6)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    assert cpu_attention.available(q, k_cache) and not cpu_attention.available(q.bfloat16(), k_cache.float())
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], 16)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(None, None), 0.125)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_a_float32_decode_step_writes_its_keys_rounded_into_a_bfloat16_cache():
+    seq_lens = [4, 17, 33]
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, 2, 16, 8, seed=7)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    qkv = torch.randn(len(seq_lens), (8 + 2 + 2) * 16, generator=torch.Generator().manual_seed(8))
+    k, v = qkv[:, 128:160].view(-1, 2, 16), qkv[:, 160:].view(-1, 2, 16)
+    slots = torch.tensor([int(tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8 for i, n in enumerate(seq_lens)])
+    layer = Attention(8, 2, 16, scale=0.25)
+    layer.k_cache, layer.v_cache = k_cache.clone(), v_cache.clone()
+    fused = layer(q, k, v, AttentionMetadata(slots, len(seq_lens), tables, lens, [], 8))
+    k_cache.view(-1, 2, 16)[slots], v_cache.view(-1, 2, 16)[slots] = k.bfloat16(), v.bfloat16()  # torch's rounding
+    assert torch.equal(layer.k_cache, k_cache) and torch.equal(layer.v_cache, v_cache)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.25).reshape(len(seq_lens), -1)
+    torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_float16_caches_use_the_gather_path():
     q = torch.zeros(1, 2, 8, dtype=torch.float16)
     assert not cpu_attention.available(q, torch.zeros(1, 4, 2, 8, dtype=torch.float16))

@@ -113,3 +113,29 @@ def test_the_whole_step_reads_a_bfloat16_tied_table_and_grows_its_rotary_tables(
     assert fused.token_ids == plain.token_ids
     for la, lb in zip(fused.logprobs, plain.logprobs, strict=True):
         assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}
+
+
+def test_a_bfloat16_kv_cache_under_a_float32_model_decodes_through_the_whole_step_as_the_modules(llama_with_biases,
+                                                                                                  monkeypatch):
+    """kv_cache_dtype=bfloat16: half the bytes a block, and the one-call step reads and writes that cache exactly as
+    the modules' attention does."""
+    if decode_block._library() is None or decode_block._kernels() is None:
+        pytest.skip("no C compiler")
+    llm = LLM(str(llama_with_biases), device="cpu", kv_cache_dtype="bfloat16")
+    try:
+        runner = llm.engine.executor.runner
+        layer = runner.attention_layers[0]
+        assert layer.k_cache.dtype == layer.v_cache.dtype == torch.bfloat16
+        assert runner.kv_bytes_per_block() == sum(2 * 16 * a.num_kv_heads * a.head_dim * 2
+                                                  for a in runner.attention_layers)
+        whole = _count_served(monkeypatch, FusedDecodeForward)
+        fused = _generate(llm, 1)
+        assert sum(s is not None for s in whole) == 11
+        _modules_only(monkeypatch)
+        plain = _generate(llm, 1)
+    finally:
+        llm.shutdown()
+    for a, b in zip(fused, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}
