@@ -336,11 +336,10 @@ def _check_options(args: EngineArgs) -> None:
                           param="kv_cache_memory")
     if args.quantization not in (None, *QUANTIZATIONS):
         raise ConfigError(f"quantization {args.quantization!r} is not supported (supported: "
-                          f"{', '.join(QUANTIZATIONS)})",
-                          param="quantization")
+                          f"{', '.join(QUANTIZATIONS)})", param="quantization")
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported (supported: auto, bfloat16; fp8 "
-                          "caches are not)", param="kv_cache_dtype")
+        raise ConfigError(f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported (supported: "
+                          f"{', '.join(KV_CACHE_DTYPES)}; fp8 caches are not)", param="kv_cache_dtype")
     if args.kv_cache_dtype != "auto" and resolve_device(args.device).type != "cpu":
         raise ConfigError(f"kv_cache_dtype={args.kv_cache_dtype!r} is supported on CPU only (the GPU kernels read "
                           "a cache of the model's dtype); use kv_cache_dtype='auto'", param="kv_cache_dtype")

@@ -172,10 +172,11 @@ class Attention(nn.Module):
             return out.view(q.shape[0], -1)
         flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
-        if flat_k.dtype != k.dtype:  # a narrower cache (kv_cache_dtype): a prompt sees its keys as later steps do
-            k, v = k.to(flat_k.dtype).to(k.dtype), v.to(flat_v.dtype).to(v.dtype)
+        stored_k, stored_v = k.to(flat_k.dtype), v.to(flat_v.dtype)
+        flat_k.index_copy_(0, meta.slot_mapping, stored_k)
+        flat_v.index_copy_(0, meta.slot_mapping, stored_v)
+        if stored_k.dtype != k.dtype:  # a narrower cache (kv_cache_dtype): a prompt sees its keys as later steps do
+            k, v = stored_k.to(k.dtype), stored_v.to(v.dtype)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)

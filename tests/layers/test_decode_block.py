@@ -46,6 +46,14 @@ def _generate(llm: LLM, n: int) -> list:
     return [o.outputs[0] for o in llm.generate(PROMPTS[:n], params, use_tqdm=False)]
 
 
+def _assert_same_outputs(fused: list, plain: list) -> None:
+    """The same tokens, and the same logprobs to the last bit, in every output."""
+    for a, b in zip(fused, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("path", ["whole step", "stack", "blocks"])
 def test_fused_decode_gives_the_modules_tokens_and_logprobs_exactly(llama_with_biases, monkeypatch, batch, path):
@@ -70,10 +78,7 @@ def test_fused_decode_gives_the_modules_tokens_and_logprobs_exactly(llama_with_b
         plain = _generate(llm, batch)
     finally:
         llm.shutdown()
-    for a, b in zip(fused, plain, strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}
+    _assert_same_outputs(fused, plain)
 
 
 def test_prefill_steps_and_batches_past_the_kernels_keep_the_modules_path(llama_with_biases, monkeypatch):
@@ -110,9 +115,7 @@ def test_the_whole_step_reads_a_bfloat16_tied_table_and_grows_its_rotary_tables(
         plain = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
     finally:
         llm.shutdown()
-    assert fused.token_ids == plain.token_ids
-    for la, lb in zip(fused.logprobs, plain.logprobs, strict=True):
-        assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}
+    _assert_same_outputs([fused], [plain])
 
 
 def test_a_bfloat16_kv_cache_under_a_float32_model_decodes_through_the_whole_step_as_the_modules(llama_with_biases,
@@ -121,13 +124,15 @@ def test_a_bfloat16_kv_cache_under_a_float32_model_decodes_through_the_whole_ste
     the modules' attention does."""
     if decode_block._library() is None or decode_block._kernels() is None:
         pytest.skip("no C compiler")
-    llm = LLM(str(llama_with_biases), device="cpu", kv_cache_dtype="bfloat16")
+    memory = 1 << 20
+    float_cache = LLM(str(llama_with_biases), device="cpu", kv_cache_memory=memory)
+    float_blocks = float_cache.engine.executor.runner.attention_layers[0].k_cache.shape[0]
+    float_cache.shutdown()
+    llm = LLM(str(llama_with_biases), device="cpu", kv_cache_memory=memory, kv_cache_dtype="bfloat16")
     try:
-        runner = llm.engine.executor.runner
-        layer = runner.attention_layers[0]
+        layer = llm.engine.executor.runner.attention_layers[0]
         assert layer.k_cache.dtype == layer.v_cache.dtype == torch.bfloat16
-        assert runner.kv_bytes_per_block() == sum(2 * 16 * a.num_kv_heads * a.head_dim * 2
-                                                  for a in runner.attention_layers)
+        assert layer.k_cache.shape[0] == 2 * float_blocks  # the same memory holds twice the tokens
         whole = _count_served(monkeypatch, FusedDecodeForward)
         fused = _generate(llm, 1)
         assert sum(s is not None for s in whole) == 11
@@ -135,7 +140,4 @@ def test_a_bfloat16_kv_cache_under_a_float32_model_decodes_through_the_whole_ste
         plain = _generate(llm, 1)
     finally:
         llm.shutdown()
-    for a, b in zip(fused, plain, strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}
+    _assert_same_outputs(fused, plain)
