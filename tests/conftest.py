@@ -14,20 +14,6 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import make_llama  # noqa: E402
-from gguf_checkpoints import (  # noqa: E402
-    BF16,
-    F16,
-    Q4_0,
-    Q4_1,
-    Q4_K,
-    Q5_0,
-    Q5_1,
-    Q5_K,
-    Q6_K,
-    Q8_0,
-    types_by_prefix,
-    write_gguf,
-)
 
 # One thread: tests run beside servers and worker processes on 2 cores, where more threads than
 # free cores make every small op wait for a descheduled thread.
@@ -75,26 +61,34 @@ def harmony_gpt_oss(tmp_path_factory) -> Path:
     return make_harmony_gpt_oss(tmp_path_factory.mktemp("harmony_gpt_oss"))
 
 
-# Every type strata reads, spread over one model's matrices (layer 0's fused q/k/v and gate/up pieces each in
-# another type; layer 1 as Q4_K_M stores it: q/k Q4_K, v Q6_K).
-ALL_TYPES = {"blk.0.attn_q": F16, "blk.0.attn_k": BF16, "blk.0.attn_v": Q4_0, "blk.0.attn_output": Q4_1,
-             "blk.0.ffn_gate": Q5_0, "blk.0.ffn_up": Q5_1, "blk.0.ffn_down": Q8_0, "blk.1.attn_q": Q4_K,
-             "blk.1.attn_k": Q4_K, "blk.1.attn_v": Q6_K, "blk.1.attn_output": Q5_K, "blk.1.ffn_gate": Q4_K,
-             "blk.1.ffn_up": Q6_K, "blk.1.ffn_down": Q5_K, "token_embd": Q8_0, "output": Q6_K}
+def all_types_by_prefix() -> dict:
+    """Every type strata reads, spread over one model's matrices (layer 0's fused q/k/v and gate/up pieces each in
+    another type; layer 1 as Q4_K_M stores it: q/k Q4_K, v Q6_K). Imported here, not at the top: the `gguf`
+    package is a test dependency the GPU machine's `pytest -m gpu` run may lack."""
+    from gguf_checkpoints import BF16, F16, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+
+    return {"blk.0.attn_q": F16, "blk.0.attn_k": BF16, "blk.0.attn_v": Q4_0, "blk.0.attn_output": Q4_1,
+            "blk.0.ffn_gate": Q5_0, "blk.0.ffn_up": Q5_1, "blk.0.ffn_down": Q8_0, "blk.1.attn_q": Q4_K,
+            "blk.1.attn_k": Q4_K, "blk.1.attn_v": Q6_K, "blk.1.attn_output": Q5_K, "blk.1.ffn_gate": Q4_K,
+            "blk.1.ffn_up": Q6_K, "blk.1.ffn_down": Q5_K, "token_embd": Q8_0, "output": Q6_K}
 
 
 @pytest.fixture(scope="session")
 def gguf_all_types(tmp_path_factory) -> Path:
     """An untied Llama (hidden 256: whole K-quant blocks) whose matrices hold every ggml type."""
+    from gguf_checkpoints import types_by_prefix, write_gguf
+
     folder = tmp_path_factory.mktemp("gguf_all_types")
     hf = make_llama(folder / "hf", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, seed=3)
-    return write_gguf(hf, folder / "all-types.gguf", types_by_prefix(ALL_TYPES))[0]
+    return write_gguf(hf, folder / "all-types.gguf", types_by_prefix(all_types_by_prefix()))[0]
 
 
 @pytest.fixture(scope="session")
 def gguf_tied_q4_1(tmp_path_factory) -> Path:
     """A tied Llama as SmolLM2's file stores it: Q4_1 matrices, a Q8_0 embedding that is also the LM head; widths
     of whole 32-value blocks on 2 TP ranks."""
+    from gguf_checkpoints import Q4_1, Q8_0, types_by_prefix, write_gguf
+
     folder = tmp_path_factory.mktemp("gguf_tied")
     hf = make_llama(folder / "hf", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, tied=True,
                     num_layers=3, seed=4)

@@ -63,7 +63,22 @@ def run_gpu_tests(root: Path, candidates: list[str], timeout_s: float, workdir: 
         return result | {"summary": "no GPU test paths exist"}
     returncode, timed_out, output = run_killable(cmd, root, env, timeout_s)
     counts = junit_counts(junit) if junit.exists() and not timed_out else summary_counts(output)
+    counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0) | counts
     result.update(returncode=returncode, timed_out=timed_out, **counts, output_tail=output[-6000:])
     words = [f"{counts.get(k, 0)} {k}" for k in ("passed", "failed", "errors", "skipped")]
     result["summary"] = ", ".join(words) + (" (TIMED OUT)" if timed_out else "")
+    # pytest's codes: 0 all passed, 1 some failed; 2-4 it could not run them (e.g. a conftest that does not
+    # import), 5 it collected none: either way the GPU tests did not run, which must not read as a pass.
+    if timed_out or returncode not in (0, 1):
+        why = "timed out" if timed_out else f"pytest exited with {returncode}: {first_error(output)}"
+        result.update(status="error", summary=f"{result['summary']} ({why})")
+    elif returncode == 1:
+        result["status"] = "failed"
     return result
+
+
+def first_error(output: str) -> str:
+    """The line that says why pytest stopped: its first `E ` line, else its last non-empty one."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+    return (errors or lines or ["no output"])[0 if errors else -1][:300]

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from strata.bench.gpu_tests import run_killable, summary_counts
+from strata.bench.gpu_tests import run_gpu_tests, run_killable, summary_counts
 
 
 def test_a_timeout_kills_the_child_and_what_it_started(tmp_path):
@@ -33,3 +33,52 @@ def test_pytest_summary_line_is_counted():
     output = "....F\n=== short test summary ===\nFAILED x\n2 failed, 5 passed, 1 skipped, 3 deselected, 1 error in 4s"
     assert summary_counts(output) == {"failed": 2, "passed": 5, "skipped": 1, "deselected": 3, "errors": 1}
     assert summary_counts("no summary at all") == {}
+
+
+def _gpu_tests_in(folder: Path, conftest: str, tests: str) -> dict:
+    (folder / "conftest.py").write_text(conftest)
+    (folder / "test_gpu.py").write_text(tests)
+    return run_gpu_tests(folder, ["test_gpu.py"], 120, folder)
+
+
+def test_a_conftest_that_does_not_import_is_an_error_not_a_pass(tmp_path):
+    result = _gpu_tests_in(tmp_path, "import no_such_package_here\n",
+                           "import pytest\n\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    assert result["status"] == "error" and result["passed"] == 0
+    assert "exited with 4" in result["summary"] and "no_such_package_here" in result["summary"]
+
+
+def test_no_gpu_tests_collected_is_an_error(tmp_path):
+    result = _gpu_tests_in(tmp_path, "", "def test_not_gpu():\n    pass\n")
+    assert result["status"] == "error" and "exited with 5" in result["summary"]
+
+
+def test_all_gpu_tests_passing_leaves_the_status_to_the_section(tmp_path):
+    result = _gpu_tests_in(tmp_path, "", "import pytest\n\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    assert "status" not in result and result["passed"] == 1 and result["returncode"] == 0
+
+
+# Test-only packages the GPU machine lacks (it has torch, triton and transformers, and nothing can be installed).
+TEST_ONLY = ("gguf", "openai", "httpx", "lm_eval", "mlx", "mlx_lm", "vllm_router", "schemathesis", "jsonschema",
+             "fastapi", "uvicorn")
+HIDE = """
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {names!r}:
+            raise ImportError(f"{{name}} is hidden")
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def test_the_gpu_tests_collect_without_test_only_packages(tmp_path):
+    """On the GPU machine a conftest import of `gguf` once made `pytest -m gpu` collect nothing."""
+    (tmp_path / "hide_test_only.py").write_text(HIDE.format(names=set(TEST_ONLY)))
+    repo = Path(__file__).resolve().parents[2]
+    # No plugins from entry points: those of test-only packages (schemathesis) are not on that machine either.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo)]), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    cmd = [sys.executable, "-m", "pytest", "-p", "hide_test_only", "-p", "no:cacheprovider", "--collect-only",
+           "-q", "-m", "gpu", "tests/test_cuda.py", "tests/strata_kernels/triton"]
+    returncode, timed_out, output = run_killable(cmd, repo, env, 120)
+    assert returncode == 0 and not timed_out, output[-3000:]
+    assert summary_counts(output).get("deselected", 0) >= 0 and "test_cuda.py::" in output
