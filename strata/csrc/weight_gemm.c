@@ -11,7 +11,14 @@
 #include "gguf_blocks.h"
 #include "weight_values.h"
 
-#define KC 256  /* values of K in one panel: a strip of 16 outputs is 16 KiB, in L1 */
+#if USE_AVX2 && defined(__AVX512F__) && !defined(STRATA_NO_AVX512)
+#define USE_AVX512 1
+#else
+#define USE_AVX512 0
+#endif
+
+#define KC 256  /* values of K in one panel: a strip of 16 outputs is 16 KiB, in L1 (AVX-512: a pair of them, 32 KiB:
+                   measured no slower than 128, which doubles the passes over the output) */
 #define NR 16   /* outputs of one kernel call: two registers */
 #define MR 6    /* rows of x of one kernel call: 12 accumulators */
 #define MC 96   /* rows of x per pass over a panel: 96 KiB of x, in L2 */
@@ -45,7 +52,7 @@ static inline __attribute__((always_inline)) void widen_blocks(const weights_t *
 static void widen_row(const weights_t *w, int64_t r, int64_t k0, int64_t kc, float *dst) {
     const int quantized = scaled(w->kind);
     int64_t i = 0;
-    if (gguf_block_values(w->kind)) { /* panels hold whole runs of 32: K is whole blocks, KC a multiple of 256 */
+    if (gguf_block_values(w->kind)) { /* panels hold whole runs of 32: K is whole blocks, KC a multiple of 32 */
         gguf_row_floats(w->kind, w->data + r * w->row_bytes, k0, kc, dst);
         return;
     }
@@ -172,6 +179,7 @@ static inline __attribute__((always_inline)) void kernel(const float *a, const f
             c[m * ldc + j] = (accumulate ? c[m * ldc + j] : 0.f) + (tile[m][j] + (bias ? bias[j] : 0.f));
 }
 
+#if !USE_AVX512
 #define DEFINE_KERNEL(MRC)                                                                                      \
     static void kernel_##MRC(const float *a, const float *panel, int64_t kc, float *c, int64_t ldc,             \
                              int accumulate, int valid, const float *bias) {                                    \
@@ -185,6 +193,62 @@ DEFINE_KERNEL(5)
 DEFINE_KERNEL(6)
 typedef void (*kernel_fn)(const float *, const float *, int64_t, float *, int64_t, int, int, const float *);
 static const kernel_fn KERNELS[MR + 1] = {NULL, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6};
+#endif
+
+#if USE_AVX512
+/* c[mr][32] (+)= a [kc][6] times two strips [kc][16] side by side (`valid0` / `valid1` of their 16 columns stored;
+   panel1 NULL: one strip, 6 accumulators). One zmm holds a strip's row, so per value of K two loads and six
+   broadcasts feed twelve FMAs, half the loads and broadcasts per FMA of the ymm kernel; every output's sums come
+   in the same order as there, so both builds give the same bits. Partial strips are masked loads and stores. */
+static inline __attribute__((always_inline)) void kernel512(const float *a, const float *panel0,
+                                                            const float *panel1, int64_t kc, float *c, int64_t ldc,
+                                                            const int mr, int accumulate, int valid0, int valid1,
+                                                            const float *bias) {
+    const int two = panel1 != NULL;
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define STEP(i)                                                  \
+    if (mr > i) {                                                \
+        const __m512 x = _mm512_set1_ps(a[k * MR + i]);          \
+        c##i##0 = _mm512_fmadd_ps(x, b0, c##i##0);               \
+        if (two) c##i##1 = _mm512_fmadd_ps(x, b1, c##i##1);      \
+    }
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kc; k++) {
+        const __m512 b0 = _mm512_loadu_ps(panel0 + k * NR), b1 = two ? _mm512_loadu_ps(panel1 + k * NR) : b0;
+        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5)
+    }
+#undef STEP
+    const __m512 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    const __mmask16 mask[2] = {(__mmask16)((1u << valid0) - 1), (__mmask16)((1u << valid1) - 1)};
+    for (int h = 0; h < 1 + two; h++) {
+        const __m512 add = bias ? _mm512_maskz_loadu_ps(mask[h], bias + NR * h) : _mm512_setzero_ps();
+        for (int m = 0; m < mr; m++) {
+            float *row = c + m * ldc + NR * h;
+            __m512 y = _mm512_add_ps(acc[m][h], add);
+            if (accumulate) y = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[h], row), y);
+            _mm512_mask_storeu_ps(row, mask[h], y);
+        }
+    }
+}
+
+#define DEFINE_KERNEL512(MRC)                                                                                   \
+    static void kernel512_##MRC(const float *a, const float *panel0, const float *panel1, int64_t kc, float *c, \
+                                int64_t ldc, int accumulate, int valid0, int valid1, const float *bias) {       \
+        if (panel1) kernel512(a, panel0, panel0 + KC * NR, kc, c, ldc, MRC, accumulate, valid0, valid1, bias);  \
+        else kernel512(a, panel0, NULL, kc, c, ldc, MRC, accumulate, valid0, 0, bias);                          \
+    }
+DEFINE_KERNEL512(1)
+DEFINE_KERNEL512(2)
+DEFINE_KERNEL512(3)
+DEFINE_KERNEL512(4)
+DEFINE_KERNEL512(5)
+DEFINE_KERNEL512(6)
+typedef void (*kernel512_fn)(const float *, const float *, const float *, int64_t, float *, int64_t, int, int, int,
+                             const float *);
+static const kernel512_fn KERNELS512[MR + 1] = {NULL, kernel512_1, kernel512_2, kernel512_3, kernel512_4,
+                                                kernel512_5, kernel512_6};
+#endif
 
 /* Outputs n0 .. n1 of every row of x: panel by panel along K, each multiplied by all of x while in cache. */
 static void task(const weights_t *w, const float *xp, int64_t m_total, int64_t n0, int64_t n1, const float *bias,
@@ -196,14 +260,20 @@ static void task(const weights_t *w, const float *xp, int64_t m_total, int64_t n
         for (int64_t s = 0; s < strips; s++) pack_strip(w, n0 + s * NR, k0, kc, rows, panel + s * KC * NR);
         for (int64_t mc = 0; mc < m_total; mc += MC) {
             const int64_t mc_end = mc + MC < m_total ? mc + MC : m_total;
-            for (int64_t s = 0; s < strips; s++) {
+            for (int64_t s = 0; s < strips; s += USE_AVX512 ? 2 : 1) {
                 const int64_t col = n0 + s * NR;
                 const int valid = n1 - col < NR ? (int)(n1 - col) : NR;
                 const float *strip_bias = last && bias ? bias + col : NULL;
                 for (int64_t m = mc; m < mc_end; m += MR) {
                     const int mr = mc_end - m < MR ? (int)(mc_end - m) : MR;
-                    KERNELS[mr](xp + m * w->k + k0 * MR, panel + s * KC * NR, kc, out + m * w->n + col, w->n,
-                                k0 > 0, valid, strip_bias);
+                    const float *a = xp + m * w->k + k0 * MR, *strip = panel + s * KC * NR;
+#if USE_AVX512
+                    const int pair = s + 1 < strips, valid1 = n1 - col - NR < NR ? (int)(n1 - col - NR) : NR;
+                    KERNELS512[mr](a, strip, pair ? strip : NULL, kc, out + m * w->n + col, w->n, k0 > 0, valid,
+                                   pair ? valid1 : 0, strip_bias);
+#else
+                    KERNELS[mr](a, strip, kc, out + m * w->n + col, w->n, k0 > 0, valid, strip_bias);
+#endif
                 }
             }
         }
@@ -226,7 +296,12 @@ int weight_gemm(const float *x, int64_t m_total, int64_t k, const void *weight, 
         for (int64_t i = 0; i < m_total * n; i++) out[i] = bias ? bias[i % n] : 0.f;
         return 0;
     }
-    const int64_t tasks = (n + NC - 1) / NC, blocks = (m_total + MR - 1) / MR;
+    /* Tasks of at most NC outputs, whole strips, as many as a multiple of the threads: q/k/v's 576/192 outputs
+       in tasks of 128 left one of two threads idle for a third or a half of the product. */
+    const int64_t strips = (n + NR - 1) / NR, threads = num_threads > 0 ? num_threads : 1;
+    const int64_t rounds = ((n + NC - 1) / NC + threads - 1) / threads;
+    const int64_t per_task = (strips + rounds * threads - 1) / (rounds * threads) * NR;
+    const int64_t tasks = (n + per_task - 1) / per_task, blocks = (m_total + MR - 1) / MR;
     float *xp = aligned_alloc(64, (sizeof(float) * (size_t)(blocks * MR * k) + 63) / 64 * 64);
     if (!xp) return -1;
     int failed = 0;
@@ -238,7 +313,7 @@ int weight_gemm(const float *x, int64_t m_total, int64_t k, const void *weight, 
         if (!rows) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
-            const int64_t n0 = t * NC, n1 = n0 + NC < n ? n0 + NC : n;
+            const int64_t n0 = t * per_task, n1 = n0 + per_task < n ? n0 + per_task : n;
             if (rows) task(&w, xp, m_total, n0, n1, bias, out, rows, rows + NR * KC);
         }
         free(rows);

@@ -125,8 +125,9 @@ def test_small_batch_kernel_matches_the_reference_for_every_kind(m, threads):
 @pytest.mark.parametrize("m", [1, 5, 6, 17, 64, 300])
 @pytest.mark.parametrize("n,k", [(45, 600), (130, 232)])
 def test_gemm_matches_the_reference_for_every_kind(m, n, k, threads):
-    """Rows in whole and partial blocks of 6, outputs in partial strips of 16 and (130) two tasks of 128, K in
-    several panels of 256 ending in a partial block of 32 (600) or in one short panel (232)."""
+    """Rows in whole and partial blocks of 6, outputs in partial strips of 16 (AVX-512: pairs of strips, an odd
+    one and a partial second of a pair) and (130) two tasks of 80, K in several panels of 256 ending in a partial
+    block of 32 (600) or in one short panel (232)."""
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
     before = torch.get_num_threads()
