@@ -198,8 +198,8 @@ static const kernel_fn KERNELS[MR + 1] = {NULL, kernel_1, kernel_2, kernel_3, ke
 #if USE_AVX512
 /* c[mr][32] (+)= a [kc][6] times two strips [kc][16] side by side (`valid0` / `valid1` of their 16 columns stored;
    panel1 NULL: one strip, 6 accumulators). One zmm holds a strip's row, so per value of K two loads and six
-   broadcasts feed twelve FMAs, half the loads and broadcasts per FMA of the ymm kernel; every output's sums come
-   in the same order as there, so both builds give the same bits. Partial strips are masked loads and stores. */
+   broadcasts feed twelve FMAs, half the loads and broadcasts per FMA of the ymm kernel; each output's sums come
+   in the same order as there. Partial strips are masked loads and stores. */
 static inline __attribute__((always_inline)) void kernel512(const float *a, const float *panel0,
                                                             const float *panel1, int64_t kc, float *c, int64_t ldc,
                                                             const int mr, int accumulate, int valid0, int valid1,

@@ -81,4 +81,4 @@ def test_the_gpu_tests_collect_without_test_only_packages(tmp_path):
            "-q", "-m", "gpu", "tests/test_cuda.py", "tests/strata_kernels/triton"]
     returncode, timed_out, output = run_killable(cmd, repo, env, 120)
     assert returncode == 0 and not timed_out, output[-3000:]
-    assert summary_counts(output).get("deselected", 0) >= 0 and "test_cuda.py::" in output
+    assert "tests/test_cuda.py::test_cuda_greedy_tokens_equal_cpu" in output
