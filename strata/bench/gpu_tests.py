@@ -65,7 +65,7 @@ def run_gpu_tests(root: Path, candidates: list[str], timeout_s: float, workdir: 
     counts = junit_counts(junit) if junit.exists() and not timed_out else summary_counts(output)
     counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0) | counts
     result.update(returncode=returncode, timed_out=timed_out, **counts, output_tail=output[-6000:])
-    words = [f"{counts.get(k, 0)} {k}" for k in ("passed", "failed", "errors", "skipped")]
+    words = [f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped")]
     result["summary"] = ", ".join(words) + (" (TIMED OUT)" if timed_out else "")
     # pytest's codes: 0 all passed, 1 some failed; 2-4 it could not run them (e.g. a conftest that does not
     # import), 5 it collected none: either way the GPU tests did not run, which must not read as a pass.

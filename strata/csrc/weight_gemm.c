@@ -196,15 +196,16 @@ static const kernel_fn KERNELS[MR + 1] = {NULL, kernel_1, kernel_2, kernel_3, ke
 #endif
 
 #if USE_AVX512
-/* c[mr][32] (+)= a [kc][6] times two strips [kc][16] side by side (`valid0` / `valid1` of their 16 columns stored;
-   panel1 NULL: one strip, 6 accumulators). One zmm holds a strip's row, so per value of K two loads and six
-   broadcasts feed twelve FMAs, half the loads and broadcasts per FMA of the ymm kernel; each output's sums come
-   in the same order as there. Partial strips are masked loads and stores. */
-static inline __attribute__((always_inline)) void kernel512(const float *a, const float *panel0,
-                                                            const float *panel1, int64_t kc, float *c, int64_t ldc,
-                                                            const int mr, int accumulate, int valid0, int valid1,
+/* c[mr][32] (+)= a [kc][6] times two strips [kc][16] side by side, the second KC * 16 floats after the first
+   (`valid0` / `valid1` of their 16 columns stored; `two` 0: the first strip alone, 6 accumulators). One zmm holds
+   a strip's row, so per value of K two loads and six broadcasts feed twelve FMAs, half the loads and broadcasts
+   per FMA of the ymm kernel; each output's sums come in the same order as there. Partial strips are masked loads
+   and stores. */
+static inline __attribute__((always_inline)) void kernel512(const float *a, const float *panel0, const int two,
+                                                            int64_t kc, float *c, int64_t ldc, const int mr,
+                                                            int accumulate, int valid0, int valid1,
                                                             const float *bias) {
-    const int two = panel1 != NULL;
+    const float *panel1 = panel0 + KC * NR;
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
            c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #define STEP(i)                                                  \
@@ -233,10 +234,10 @@ static inline __attribute__((always_inline)) void kernel512(const float *a, cons
 }
 
 #define DEFINE_KERNEL512(MRC)                                                                                   \
-    static void kernel512_##MRC(const float *a, const float *panel0, const float *panel1, int64_t kc, float *c, \
+    static void kernel512_##MRC(const float *a, const float *panel0, int two, int64_t kc, float *c,             \
                                 int64_t ldc, int accumulate, int valid0, int valid1, const float *bias) {       \
-        if (panel1) kernel512(a, panel0, panel0 + KC * NR, kc, c, ldc, MRC, accumulate, valid0, valid1, bias);  \
-        else kernel512(a, panel0, NULL, kc, c, ldc, MRC, accumulate, valid0, 0, bias);                          \
+        if (two) kernel512(a, panel0, 1, kc, c, ldc, MRC, accumulate, valid0, valid1, bias);                    \
+        else kernel512(a, panel0, 0, kc, c, ldc, MRC, accumulate, valid0, 0, bias);                             \
     }
 DEFINE_KERNEL512(1)
 DEFINE_KERNEL512(2)
@@ -244,7 +245,7 @@ DEFINE_KERNEL512(3)
 DEFINE_KERNEL512(4)
 DEFINE_KERNEL512(5)
 DEFINE_KERNEL512(6)
-typedef void (*kernel512_fn)(const float *, const float *, const float *, int64_t, float *, int64_t, int, int, int,
+typedef void (*kernel512_fn)(const float *, const float *, int, int64_t, float *, int64_t, int, int, int,
                              const float *);
 static const kernel512_fn KERNELS512[MR + 1] = {NULL, kernel512_1, kernel512_2, kernel512_3, kernel512_4,
                                                 kernel512_5, kernel512_6};
@@ -269,8 +270,8 @@ static void task(const weights_t *w, const float *xp, int64_t m_total, int64_t n
                     const float *a = xp + m * w->k + k0 * MR, *strip = panel + s * KC * NR;
 #if USE_AVX512
                     const int pair = s + 1 < strips, valid1 = n1 - col - NR < NR ? (int)(n1 - col - NR) : NR;
-                    KERNELS512[mr](a, strip, pair ? strip : NULL, kc, out + m * w->n + col, w->n, k0 > 0, valid,
-                                   pair ? valid1 : 0, strip_bias);
+                    KERNELS512[mr](a, strip, pair, kc, out + m * w->n + col, w->n, k0 > 0, valid, pair ? valid1 : 0,
+                                   strip_bias);
 #else
                     KERNELS[mr](a, strip, kc, out + m * w->n + col, w->n, k0 > 0, valid, strip_bias);
 #endif
