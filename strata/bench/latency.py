@@ -110,15 +110,25 @@ def cpu_kernels_line(llm) -> str:
         paths = (f"{served['whole step']} decode steps in one C call each, {served['stack']} with every layer in "
                  f"one call, {served['blocks']} layer by layer in C blocks, of {llm.engine.stats['steps']} steps")
     line = f"CPU kernels: {paths}; small-batch products built for {cpu_matmul.build()}"
-    choice = kernel_choice.summary(_gguf_types(model)) if model is not None else ""
+    choice = kernel_choice.summary(_weight_kinds(model)) if model is not None else ""
     return f"{line}; {choice}" if choice else line
 
 
-def _gguf_types(model) -> set[int]:
-    """The GGUF block types an in-process model's layers hold."""
-    return {w.ggml_type for module in model.modules() for w in (getattr(getattr(module, "quant", None), "weights",
-                                                                        None) or [])
-            if hasattr(w, "ggml_type")}
+def _weight_kinds(model) -> set[int]:
+    """The kernel kinds of the narrow weights an in-process model's layers hold (GGUF blocks, packed int4 / int8 /
+    FP8)."""
+    from strata.layers.quantization import gguf_quants
+
+    kinds = set()
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        for w in getattr(quant, "weights", None) or []:
+            if hasattr(w, "ggml_type"):
+                kinds.add(gguf_quants.kernel_kind(w.ggml_type))
+        for w in [getattr(quant, "weight", None), *(getattr(quant, "gate_up", None) or [])]:
+            if hasattr(w, "kernel_kind"):
+                kinds.add(w.kernel_kind)
+    return kinds
 
 
 def run_latency(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
    256 values of K of its outputs into float32 once, as panels of 16 outputs in cache, and a 6 x 16 register-blocked
    kernel multiplies every row of x by them, so the widening costs one pass over the weight per product (the tiles
    this replaced were dequantized, then repacked by oneDNN, on every call). Built on first use by strata/native.py;
-   AVX2/FMA, plain C otherwise. */
+   AVX2/FMA, plain C otherwise; on CPUs with AMX, gemm_amx.h's tiles for the kinds they read, where measured faster
+   (set_gemm_engine). */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +25,12 @@
 #define MR 6    /* rows of x of one kernel call: 12 accumulators */
 #define MC 96   /* rows of x per pass over a panel: 96 KiB of x, in L2 */
 #define NC 128  /* outputs of one task: a 128 KiB panel, in L2 */
+
+#include "gemm_amx.h"
+
+/* Which engine each kind's products take (indexed by kind, GGUF kinds included): FMA until kernel_choice.py has
+   measured AMX faster on this machine. */
+static int engine_of[KIND_GGUF + 32];
 
 #if USE_AVX2
 /* Blocks of row r from value k0 (a multiple of 32) until `end` into dst, group by group: for a quantized KIND
@@ -302,6 +310,9 @@ int weight_gemm(const float *x, int64_t m_total, int64_t k, const void *weight, 
     const int64_t strips = (n + NR - 1) / NR, threads = num_threads > 0 ? num_threads : 1;
     const int64_t rounds = ((n + NC - 1) / NC + threads - 1) / threads;
     const int64_t per_task = (strips + rounds * threads - 1) / (rounds * threads) * NR;
+#if USE_AMX
+    if (engine_of[kind] == GEMM_AMX && amx_reads(&w)) return amx_gemm(x, m_total, &w, bias, out, per_task, num_threads);
+#endif
     const int64_t tasks = (n + per_task - 1) / per_task, blocks = (m_total + MR - 1) / MR;
     float *xp = aligned_alloc(64, (sizeof(float) * (size_t)(blocks * MR * k) + 63) / 64 * 64);
     if (!xp) return -1;
@@ -321,4 +332,35 @@ int weight_gemm(const float *x, int64_t m_total, int64_t k, const void *weight, 
     }
     free(xp);
     return failed ? -1 : 0;
+}
+
+
+/* Sets a kind's engine (GEMM_FMA or GEMM_AMX) while no product of it runs. Returns 0; -2 where this build has no AMX
+   path for the kind; -1 where the operating system refuses this process AMX's tile state. */
+int set_gemm_engine(int kind, int engine) {
+    kind = gguf_dense_kind(kind);
+    if (engine == GEMM_FMA && kind >= 0 && kind < KIND_GGUF + 32) {
+        engine_of[kind] = GEMM_FMA;
+        return 0;
+    }
+#if USE_AMX
+    const weights_t probe = {NULL, 0, 0, 0, 2, RUN, NULL, NULL, kind};
+    if (engine != GEMM_AMX || kind < 0 || kind >= KIND_GGUF + 32 || !amx_reads(&probe)) return -2;
+    if (!amx_permitted()) return -1;
+    engine_of[kind] = GEMM_AMX;
+    return 0;
+#else
+    return -2;
+#endif
+}
+
+/* A kind's engine now, or -2 where this build has no AMX path for it (the FMA GEMM serves it, unmeasured). */
+int gemm_engine(int kind) {
+    kind = gguf_dense_kind(kind);
+#if USE_AMX
+    const weights_t probe = {NULL, 0, 0, 0, 2, RUN, NULL, NULL, kind};
+    if (kind >= 0 && kind < KIND_GGUF + 32 && amx_reads(&probe)) return engine_of[kind];
+#endif
+    (void)kind;
+    return -2;
 }

@@ -40,7 +40,8 @@ def build() -> str:
 
 @functools.cache
 def _gemm_library() -> ctypes.CDLL | None:
-    return native.bind("weight_gemm", {"weight_gemm": _SIGNATURE})
+    return native.bind("weight_gemm", {"weight_gemm": _SIGNATURE, "set_gemm_engine": ([I32, I32], I32),
+                                       "gemm_engine": ([I32], I32)})
 
 
 def available() -> bool:

@@ -76,7 +76,7 @@ class GGUFMethod:
         self.weights, self.loaded = pieces, []
         for p in pieces:
             if p.data.device.type == "cpu":
-                kernel_choice.fixed_point_rows(p.ggml_type)  # measured once a process (and cached) per type
+                kernel_choice.choose(gguf_quants.kernel_kind(p.ggml_type))  # measured once a process (and cached)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weights = self._ready()

@@ -1,6 +1,7 @@
 """Kernel choices measured on the machine that runs them, not tuned on one: for each GGUF block type, up to how many
 rows of x the fixed-point kernels (x rounded to 24-bit integers, one pass a row) beat the float ones (each run
-widened once for all rows). A short calibration on the first weight of a type, cached per build and CPU."""
+widened once for all rows); for each kind of narrow weight, whether the large-batch products run on AMX tiles or
+the FMA GEMM. A short calibration on the first weight of a kind, cached per build and CPU."""
 from __future__ import annotations
 
 import functools
@@ -44,15 +45,20 @@ def _write_cache(key: str, rows: int) -> None:
     os.replace(tmp, path)
 
 
-def _product_seconds(weight: torch.Tensor, kind: int, k: int, rows: int) -> float:
-    x = torch.randn(rows, k)
-    cpu_matmul.matmul(x, weight, kind, weight.shape[0])
+def _best_seconds(product) -> float:
+    """The best of _REPEATS timed calls, after one untimed."""
+    product()
     best = float("inf")
     for _ in range(_REPEATS):
         started = time.perf_counter()
-        cpu_matmul.matmul(x, weight, kind, weight.shape[0])
+        product()
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def _product_seconds(weight: torch.Tensor, kind: int, k: int, rows: int) -> float:
+    x = torch.randn(rows, k)
+    return _best_seconds(lambda: cpu_matmul.matmul(x, weight, kind, weight.shape[0]))
 
 
 def measure_fixed_point_rows(kind: int, values_per_block: int, bytes_per_block: int) -> int:
@@ -99,11 +105,94 @@ def fixed_point_rows(qtype: int) -> int | None:
     return rows
 
 
-def summary(qtypes: set[int]) -> str:
-    """The choices in force for a model's GGUF types, for `strata bench latency` (empty when it has none)."""
-    if not qtypes or not cpu_matmul.available():
+GEMM_ROWS, GEMM_K, GEMM_N = 128, 2048, 1024  # a prefill chunk through a mid-sized linear layer: about 0.5 GFLOP
+GEMM_ENGINES = ("FMA", "AMX")  # set_gemm_engine's numbers for them
+_DENSE_NAMES = {cpu_matmul.KIND_BF16: "bfloat16", cpu_matmul.KIND_INT4: "int4", cpu_matmul.KIND_INT8: "int8",
+                cpu_matmul.KIND_FP8: "fp8"}
+
+
+def kind_name(kind: int) -> str:
+    """A kernel kind as users know it: the GGUF type's name, or bfloat16 / int4 / int8 / fp8."""
+    if kind >= cpu_matmul.KIND_GGUF:
+        return gguf_quants.type_name(kind - cpu_matmul.KIND_GGUF)
+    return _DENSE_NAMES.get(kind, f"kind {kind}")
+
+
+def _gemm_operands(kind: int) -> dict:
+    """A [GEMM_N, GEMM_K] weight of this kind for narrow_gemm, its bytes all 0x11 (valid blocks, normal scales)."""
+    if kind >= cpu_matmul.KIND_GGUF:
+        t = gguf_quants.TYPES[kind - cpu_matmul.KIND_GGUF]
+        return {"weight": torch.full((GEMM_N, GEMM_K // t.values_per_block * t.bytes_per_block), 0x11,
+                                     dtype=torch.uint8)}
+    if kind == cpu_matmul.KIND_BF16:
+        return {"weight": torch.full((GEMM_N, GEMM_K * 2), 0x11, dtype=torch.uint8).view(torch.bfloat16)}
+    per_group = 128 if kind == cpu_matmul.KIND_INT4 else GEMM_K  # W4A16's usual groups, W8A16 / FP8 per channel
+    width = GEMM_K // 2 if kind == cpu_matmul.KIND_INT4 else GEMM_K
+    return {"weight": torch.full((GEMM_N, width), 0x11, dtype=torch.uint8),
+            "scales": torch.ones(GEMM_N, GEMM_K // per_group), "group_size": per_group}
+
+
+def measure_gemm_engine(kind: int) -> str | None:
+    """Times the FMA GEMM and the AMX one on GEMM_ROWS rows of x and returns the faster; None where the operating
+    system refuses this process AMX's tile state."""
+    lib, operands = cpu_matmul._gemm_library(), _gemm_operands(kind)
+    x = torch.randn(GEMM_ROWS, GEMM_K)
+    times = {}
+    try:
+        for number, engine in enumerate(GEMM_ENGINES):
+            if lib.set_gemm_engine(kind, number) != 0:
+                return None
+            times[engine] = _best_seconds(lambda: cpu_matmul.narrow_gemm(x, out_features=GEMM_N, kind=kind,
+                                                                         **operands))
+    finally:
+        lib.set_gemm_engine(kind, 0)
+    chosen = min(times, key=times.get)
+    logger.info("kernel choice for %s: %s GEMM for large batches (us FMA / AMX at %d rows: %.0f/%.0f)",
+                kind_name(kind), chosen, GEMM_ROWS, 1e6 * times["FMA"], 1e6 * times["AMX"])
+    return chosen
+
+
+@functools.cache
+def gemm_engine(kind: int) -> str | None:
+    """Sets, once a process, which engine a weight kind's large-batch products take ("FMA" or "AMX"): the cached
+    calibration of this build, else a new one (tens of milliseconds). None where this build has no AMX path for the
+    kind (the FMA GEMM serves it, unmeasured)."""
+    if not cpu_matmul.available():
+        return None
+    lib = cpu_matmul._gemm_library()
+    if lib.gemm_engine(kind) < 0:
+        return None
+    key = f"gemm {kind_name(kind)}"
+    cached = _read_cache().get(key)
+    engine = GEMM_ENGINES[cached] if cached in (0, 1) else measure_gemm_engine(kind)
+    if engine is not None and cached is None:
+        _write_cache(key, GEMM_ENGINES.index(engine))
+    if engine is None or lib.set_gemm_engine(kind, GEMM_ENGINES.index(engine)) != 0:
+        # a refusal belongs to this process (its signal stacks, its kernel), so it is not cached
+        logger.warning("the operating system refuses this process AMX tiles: %s products keep the FMA GEMM",
+                       kind_name(kind))
+        lib.set_gemm_engine(kind, 0)
+        return "FMA"
+    return engine
+
+
+def choose(kind: int) -> None:
+    """Every measured choice for a weight kind a model holds, made (or read back) before its first step."""
+    if kind >= cpu_matmul.KIND_GGUF:
+        fixed_point_rows(kind - cpu_matmul.KIND_GGUF)
+    gemm_engine(kind)
+
+
+def summary(kinds: set[int]) -> str:
+    """The choices in force for a model's weight kinds, for `strata bench latency` (empty when it has none)."""
+    if not kinds or not cpu_matmul.available():
         return ""
-    lib = cpu_matmul._library()
-    rows = {t: lib.fixed_point_rows(gguf_quants.kernel_kind(t)) for t in sorted(qtypes) if t in gguf_quants.TYPES}
-    parts = [f"{gguf_quants.type_name(t)} up to {r} rows" for t, r in rows.items() if r >= 0]
-    return "GGUF fixed-point kernels (then float): " + ", ".join(parts) if parts else ""
+    lib, gemm = cpu_matmul._library(), cpu_matmul._gemm_library()
+    rows = {k: lib.fixed_point_rows(k) for k in sorted(kinds) if k >= cpu_matmul.KIND_GGUF}
+    parts = []
+    fixed = [f"{kind_name(k)} up to {r} rows" for k, r in rows.items() if r >= 0]
+    if fixed:
+        parts.append("GGUF fixed-point kernels (then float): " + ", ".join(fixed))
+    engines = [f"{kind_name(k)} {GEMM_ENGINES[e] if (e := gemm.gemm_engine(k)) >= 0 else 'FMA'}"
+               for k in sorted(kinds) if k not in (cpu_matmul.KIND_F32, cpu_matmul.KIND_GGUF_F32)]  # oneDNN's
+    return "; ".join([*parts, "large-batch GEMM: " + ", ".join(engines)])

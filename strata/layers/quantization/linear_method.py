@@ -14,6 +14,7 @@ from strata.errors import ConfigError
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
 from strata.layers.moe import FusedMoE
+from strata.layers.quantization import kernel_choice
 from strata.layers.quantization.formats import Canonical, layouts, to_canonical
 from strata.layers.quantization.gguf_method import quantize_gguf
 from strata.layers.quantization.moe_method import quantize_experts
@@ -47,6 +48,7 @@ class QuantizedLinearMethod:
                 raise ConfigError(f"{self.name or 'an FP8 layer'}: {e}", param="model") from e
             for name in names:
                 delattr(layer, name)
+            self._choose_kernels()
             return
         stored = {name: getattr(layer, name).data for name in names}
         canonical: Canonical = to_canonical(self.scheme, stored, self.n, self.k)
@@ -56,6 +58,11 @@ class QuantizedLinearMethod:
         self.perm = canonical.perm
         for name in names:
             delattr(layer, name)
+        self._choose_kernels()
+
+    def _choose_kernels(self) -> None:
+        if self.weight.packed.device.type == "cpu":
+            kernel_choice.choose(self.weight.kernel_kind)  # measured once a process (and cached) per kind
 
     def apply(self, layer: PackableLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight is None:

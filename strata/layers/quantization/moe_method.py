@@ -14,6 +14,7 @@ from torch import nn
 from strata.errors import ConfigError
 from strata.layers.activation import silu_and_mul
 from strata.layers.moe import DOWN, GATE, FusedMoE
+from strata.layers.quantization import kernel_choice
 from strata.layers.quantization.formats import TensorLayout, layouts, to_canonical
 from strata.layers.quantization.stored import load_stored, local_shape
 from strata.layers.quantization.weight_only import QuantizedWeight, pack_weight, weight_only_linear
@@ -88,6 +89,8 @@ class QuantizedExpertsMethod:
         for proj, suffixes in names.items():
             for suffix in suffixes:
                 delattr(moe, f"{proj}_{suffix}")
+        if self.gate_up and self.gate_up[0].packed.device.type == "cpu":
+            kernel_choice.choose(self.gate_up[0].kernel_kind)  # measured once a process (and cached) per kind
 
     def _pack(self, moe: FusedMoE, e: int, proj: str, lays: dict[str, TensorLayout], n: int,
               k: int) -> tuple[QuantizedWeight, torch.Tensor | None]:

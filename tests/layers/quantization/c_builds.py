@@ -1,6 +1,6 @@
 """The weight-only and GEMM libraries built with forced instruction sets, so that a machine of any kind checks every
-build it can run (the plain-C fallback, AVX2/FMA with AVX-512 off, AVX-512 without VNNI, and with it), beside the
-native build the other tests use."""
+build it can run (the plain-C fallback, AVX2/FMA with AVX-512 off, AVX-512 without VNNI, with it, and with AMX
+tiles), beside the native build the other tests use; and the GEMM's engine (FMA or AMX) forced for a block."""
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +20,11 @@ _AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw"]
 BUILDS = {"portable": (["-DSTRATA_PORTABLE"], set()),
           "avx2": (["-mavx2", "-mfma", "-DSTRATA_NO_AVX512"], {"avx2", "fma"}),
           "avx512": (_AVX512, {"avx2", "fma", "avx512f", "avx512bw"}),
-          "avx512_vnni": ([*_AVX512, "-mavx512vnni"], {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"})}
+          "avx512_vnni": ([*_AVX512, "-mavx512vnni"], {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}),
+          "amx": ([*_AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+                  {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"})}
+# Every weight kind the GEMM reads: bfloat16, int4, int8, FP8, then GGUF's (32 + ggml's type).
+GEMM_KINDS = (1, 4, 8, 9, *(32 + t for t in (1, 2, 3, 6, 7, 8, 12, 13, 14, 30)))
 
 
 def cpu_flags() -> set[str]:
@@ -55,3 +59,24 @@ def forced_build(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, op
     finally:
         cpu_matmul._library.cache_clear()
         cpu_matmul._gemm_library.cache_clear()
+
+
+@contextlib.contextmanager
+def gemm_engine(engine: str) -> Iterator[None]:
+    """cpu_matmul's large-batch products on `engine` ("FMA", or "AMX" for every kind that has it) inside the block;
+    skipped where the library has no AMX path or the operating system refuses this process AMX's tiles."""
+    lib = cpu_matmul._gemm_library()
+    if lib is None:
+        pytest.skip("no C compiler")
+    kinds = [k for k in GEMM_KINDS if lib.gemm_engine(k) >= 0]
+    if engine == "AMX" and not kinds:
+        pytest.skip("this build of the GEMM has no AMX path (the CPU lacks AMX-BF16)")
+    before = {k: lib.gemm_engine(k) for k in kinds}
+    try:
+        for k in kinds:
+            if lib.set_gemm_engine(k, 1 if engine == "AMX" else 0) == -1:
+                pytest.skip("the operating system refuses this process AMX's tile state")
+        yield
+    finally:
+        for k, e in before.items():
+            lib.set_gemm_engine(k, e)

@@ -6,7 +6,7 @@ import gguf_packing as gp  # noqa: E402
 import numpy as np
 import pytest
 import torch
-from c_builds import forced_build
+from c_builds import forced_build, gemm_engine
 from gguf_packing import ALL_TYPES, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0  # noqa: E402
 
 from strata.errors import ConfigError
@@ -140,16 +140,20 @@ def test_a_shard_of_whole_blocks_of_each_row_multiplies_in_place(qtype):
                                   weight[[9], per_block:3 * per_block])
 
 
+@pytest.mark.parametrize("engine", ["FMA", "AMX"])
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=NAMES.get)
-def test_small_batch_kernel_and_gemm_each_match_at_every_row_count_they_may_serve(qtype):
-    k = 512 if _block_values(qtype) == 256 else 224
-    data, weight = _rows(qtype, 21, k, seed=5)
+def test_small_batch_kernel_and_gemm_each_match_at_every_row_count_they_may_serve(qtype, engine):
+    """Both GEMM engines (AMX: 16-row blocks in pairs, an odd one, outputs in a partial second strip of a pair; Q6_K
+    stays on the FMA GEMM there), over K in one panel and (K of 1536 or 2048) in two."""
     kind = gguf_quants.kernel_kind(qtype)
-    for m in (1, 2, 3, 4, 6, gguf_quants.SMALL_BATCH, gguf_quants.SMALL_BATCH + 1):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        expected = x.double().numpy() @ weight.T
-        _assert_close_to(cpu_matmul.matmul(x, data, kind, 21), expected, f"small batch, {m} rows")
-        _assert_close_to(cpu_matmul.narrow_gemm(x, data, kind, 21), expected, f"GEMM, {m} rows")
+    with gemm_engine(engine):
+        for k in (512 if _block_values(qtype) == 256 else 224, 2048 if _block_values(qtype) == 256 else 1536):
+            data, weight = _rows(qtype, 21, k, seed=5)
+            for m in (1, 2, 3, 4, 6, gguf_quants.SMALL_BATCH, gguf_quants.SMALL_BATCH + 1, 48):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                expected = x.double().numpy() @ weight.T
+                _assert_close_to(cpu_matmul.matmul(x, data, kind, 21), expected, f"small batch, {m} rows")
+                _assert_close_to(cpu_matmul.narrow_gemm(x, data, kind, 21), expected, f"GEMM, {m} rows")
 
 
 @pytest.mark.parametrize("qtype", (Q4_0, Q4_K, Q6_K), ids=NAMES.get)
@@ -224,10 +228,11 @@ def test_rows_of_partial_blocks_are_refused_by_python_and_by_the_kernels():
             product(torch.randn(1, 256), torch.zeros(4, 110, dtype=torch.uint8), cpu_matmul.KIND_GGUF + 11, 4)
 
 
-# The plain-C build and AVX2 without F16C (its halves converted in C), beside the native build the other tests use.
-@pytest.mark.parametrize("build", ["portable", "avx2"])
+# The plain-C build, AVX2 without F16C (its halves converted in C) and AMX tiles (its GEMM on them), beside the
+# native build the other tests use.
+@pytest.mark.parametrize("build", ["portable", "avx2", "amx"])
 def test_each_c_build_matches_gguf(build, tmp_path, monkeypatch):
-    with forced_build(build, tmp_path, monkeypatch):
+    with forced_build(build, tmp_path, monkeypatch), gemm_engine("AMX" if build == "amx" else "FMA"):
         for qtype in ALL_TYPES:
             k = 512 if _block_values(qtype) == 256 else 160
             data, weight = _rows(qtype, 19, k, seed=qtype)

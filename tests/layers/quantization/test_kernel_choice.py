@@ -1,5 +1,6 @@
-"""The measured kernel choice: the GGUF fixed-point / float crossover is timed once per build and CPU, cached, read
-back instead of re-timed, and products stay exact whichever kernel it picks."""
+"""The measured kernel choices: the GGUF fixed-point / float crossover and each kind's large-batch GEMM engine are
+timed once per build and CPU, cached, read back instead of re-timed, and products stay exact whichever kernel they
+pick."""
 from __future__ import annotations
 
 import json
@@ -21,11 +22,20 @@ def fresh_choice(tmp_path, monkeypatch):
     lib = cpu_matmul._library()
     kinds = [gguf_quants.kernel_kind(t) for t in (gp.Q4_0, gp.Q4_1, gp.Q4_K, gp.Q6_K)]
     before = {kind: lib.fixed_point_rows(kind) for kind in kinds}
-    kernel_choice.fixed_point_rows.cache_clear()
+    gemm = cpu_matmul._gemm_library()
+    engines = {kind: gemm.gemm_engine(kind) for kind in (*kinds, cpu_matmul.KIND_INT4)}
+    for kind in engines:
+        gemm.set_gemm_engine(kind, 0)  # as a new process starts
+    cached = (kernel_choice.fixed_point_rows, kernel_choice.gemm_engine)  # a test may patch them over
+    for function in cached:
+        function.cache_clear()
     yield lib
-    kernel_choice.fixed_point_rows.cache_clear()
+    for function in cached:
+        function.cache_clear()
     for kind, rows in before.items():
         lib.set_fixed_point_rows(kind, rows)
+    for kind, engine in engines.items():
+        gemm.set_gemm_engine(kind, max(engine, 0))
 
 
 def test_crossover_is_measured_once_then_read_from_the_cache(fresh_choice, monkeypatch):
@@ -41,7 +51,7 @@ def test_crossover_is_measured_once_then_read_from_the_cache(fresh_choice, monke
     assert json.loads(cache.read_text()) == {"Q4_K": rows}
     kernel_choice.fixed_point_rows.cache_clear()  # a new process: the cache answers, nothing is timed
     assert kernel_choice.fixed_point_rows(gp.Q4_K) == rows and len(timed) == 1
-    assert "Q4_K up to" in kernel_choice.summary({gp.Q4_K})
+    assert "Q4_K up to" in kernel_choice.summary({gguf_quants.kernel_kind(gp.Q4_K)})
 
 
 def test_types_without_fixed_point_kernels_are_not_timed(fresh_choice):
@@ -76,3 +86,44 @@ def test_out_of_range_choices_are_refused(fresh_choice):
     assert fresh_choice.set_fixed_point_rows(gguf_quants.kernel_kind(gp.Q8_0), 1) == -2
     assert fresh_choice.fixed_point_rows(kind) == 2
     assert fresh_choice.fixed_point_rows(gguf_quants.kernel_kind(gp.Q8_0)) == -2  # no such kernel
+
+
+def test_gemm_engine_is_measured_once_then_read_from_the_cache(fresh_choice, monkeypatch):
+    gemm = cpu_matmul._gemm_library()
+    kind = cpu_matmul.KIND_INT4
+    if gemm.gemm_engine(kind) < 0:
+        assert kernel_choice.gemm_engine(kind) is None  # no AMX path in this build: nothing to choose or time
+        assert "int4 FMA" in kernel_choice.summary({kind})
+        return
+    timed = []
+    measure = kernel_choice.measure_gemm_engine
+    monkeypatch.setattr(kernel_choice, "measure_gemm_engine", lambda kind: timed.append(kind) or measure(kind))
+    monkeypatch.setattr(kernel_choice, "GEMM_ROWS", 32)
+    engine = kernel_choice.gemm_engine(kind)
+    assert engine in ("FMA", "AMX") and timed == [kind]
+    assert kernel_choice.GEMM_ENGINES[gemm.gemm_engine(kind)] == engine
+    [cache] = kernel_choice.native.cache_dir().glob("*-choices.json")
+    assert json.loads(cache.read_text()) == {"gemm int4": kernel_choice.GEMM_ENGINES.index(engine)}
+    kernel_choice.gemm_engine.cache_clear()  # a new process: the cache answers, nothing is timed
+    assert kernel_choice.gemm_engine(kind) == engine and timed == [kind]
+    assert f"large-batch GEMM: int4 {engine}" in kernel_choice.summary({kind})
+
+
+def test_a_process_refused_amx_keeps_the_fma_gemm_and_caches_nothing(fresh_choice, monkeypatch):
+    gemm = cpu_matmul._gemm_library()
+    kind = cpu_matmul.KIND_INT4
+    if gemm.gemm_engine(kind) < 0:
+        pytest.skip("this build has no AMX path")
+    monkeypatch.setattr(kernel_choice, "measure_gemm_engine", lambda kind: None)  # as when arch_prctl says no
+    assert kernel_choice.gemm_engine(kind) == "FMA"
+    assert gemm.gemm_engine(kind) == 0
+    assert not list(kernel_choice.native.cache_dir().glob("*-choices.json"))
+
+
+def test_choose_makes_every_choice_a_kind_has(fresh_choice, monkeypatch):
+    made = []
+    monkeypatch.setattr(kernel_choice, "fixed_point_rows", lambda qtype: made.append(("rows", qtype)))
+    monkeypatch.setattr(kernel_choice, "gemm_engine", lambda kind: made.append(("gemm", kind)))
+    kernel_choice.choose(gguf_quants.kernel_kind(gp.Q4_1))
+    kernel_choice.choose(cpu_matmul.KIND_INT8)
+    assert made == [("rows", gp.Q4_1), ("gemm", gguf_quants.kernel_kind(gp.Q4_1)), ("gemm", cpu_matmul.KIND_INT8)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from c_builds import BUILDS, cpu_flags, forced_build
+from c_builds import BUILDS, cpu_flags, forced_build, gemm_engine
 
 from strata.layers.quantization import cpu_matmul
 from strata.layers.quantization.weight_only import (
@@ -102,6 +102,10 @@ def _kernel_cases(n: int, k: int):
         kind = cpu_matmul.KIND_INT4 if bits == 4 else cpu_matmul.KIND_INT8
         yield kind, w.packed, w.scales, w.zeros, w.effective_group_size, _reference(q, scales, zeros, bits,
                                                                                       group_size)
+    q, scales, zeros = _random_weight(n, k, 4, 64, False)
+    zeros += 0.25  # zero points off the integers: no longer exact in bfloat16 once subtracted (AMX declines them)
+    w = pack_weight(q, scales, zeros, 4, 64)
+    yield cpu_matmul.KIND_INT4, w.packed, w.scales, w.zeros, 64, _reference(q, scales, zeros, 4, 64)
     fp8 = pack_fp8(_random_fp8(n, k, 4), torch.rand(n, generator=g) + 0.5)
     yield cpu_matmul.KIND_FP8, fp8.packed, fp8.scales, None, fp8.effective_group_size, dequantize(fp8)
 
@@ -121,30 +125,33 @@ def test_small_batch_kernel_matches_the_reference_for_every_kind(m, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("engine", ["FMA", "AMX"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("m", [1, 5, 6, 17, 64, 300])
-@pytest.mark.parametrize("n,k", [(45, 600), (130, 232)])
-def test_gemm_matches_the_reference_for_every_kind(m, n, k, threads):
-    """Rows in whole and partial blocks of 6, outputs in partial strips of 16 (AVX-512: pairs of strips, an odd
-    one and a partial second of a pair) and (130) two tasks of 80, K in several panels of 256 ending in a partial
-    block of 32 (600) or in one short panel (232)."""
+@pytest.mark.parametrize("n,k", [(45, 600), (130, 232), (130, 1312)])
+def test_gemm_matches_the_reference_for_every_kind(m, n, k, threads, engine):
+    """Rows in whole and partial blocks of 6 (AMX: of 16, in pairs, an odd last block), outputs in partial strips
+    of 16 (pairs of strips, an odd one and a partial second of a pair) and (130) two tasks of 80, K in several
+    panels of 256 ending in a partial block of 32 (600) or in one short panel (232); on AMX K in runs of 32 (600:
+    a partial last run of bfloat16), groups of runs that straddle no scale, and (1312: 41 runs) two panels."""
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for kind, weight, scales, zeros, group, reference in _kernel_cases(n, k):
-            if kind == cpu_matmul.KIND_F32:
-                continue  # float32 weights are oneDNN's
-            y = cpu_matmul.narrow_gemm(x, weight, kind, n, scales, zeros, group, bias)
-            _assert_close_to(y, x.double() @ reference.double().T + bias.double(), f"kind {kind}")
-    finally:
-        torch.set_num_threads(before)
+    with gemm_engine(engine):
+        torch.set_num_threads(threads)
+        try:
+            for kind, weight, scales, zeros, group, reference in _kernel_cases(n, k):
+                if kind == cpu_matmul.KIND_F32:
+                    continue  # float32 weights are oneDNN's
+                y = cpu_matmul.narrow_gemm(x, weight, kind, n, scales, zeros, group, bias)
+                _assert_close_to(y, x.double() @ reference.double().T + bias.double(), f"kind {kind}")
+        finally:
+            torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_each_c_build_matches_the_reference(build, tmp_path, monkeypatch):
-    with forced_build(build, tmp_path, monkeypatch, "-O2"):
+    with forced_build(build, tmp_path, monkeypatch, "-O2"), gemm_engine("AMX" if build == "amx" else "FMA"):
         _check_builds_products(build)
 
 
@@ -163,6 +170,22 @@ def _check_builds_products(build: str) -> None:
                     _assert_close_to(y, expected, f"{build} GEMM, kind {kind}, {m} rows")
     finally:
         torch.set_num_threads(before)
+
+
+def test_amx_and_fma_gemms_sum_in_their_own_orders_and_both_match():
+    """The AMX engine really runs when chosen: its products (x in three bfloat16 pieces, each group scaled once)
+    round differently from the FMA GEMM's, and both stay within float32's error of the reference."""
+    x = torch.randn(40, 600, generator=torch.Generator().manual_seed(0))
+    for kind, weight, scales, zeros, group, reference in _kernel_cases(45, 600):
+        if kind == cpu_matmul.KIND_F32 or (zeros is not None and not torch.equal(zeros, zeros.round())):
+            continue
+        expected = x.double() @ reference.double().T
+        products = {}
+        for engine in ("FMA", "AMX"):
+            with gemm_engine(engine):
+                products[engine] = cpu_matmul.narrow_gemm(x, weight, kind, 45, scales, zeros, group)
+            _assert_close_to(products[engine], expected, f"{engine}, kind {kind}")
+        assert not torch.equal(products["FMA"], products["AMX"]), f"kind {kind}: AMX gave the FMA GEMM's bits"
 
 
 def test_bfloat16_input_gives_bfloat16_output_close_to_float32():
