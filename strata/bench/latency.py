@@ -114,21 +114,23 @@ def cpu_kernels_line(llm) -> str:
     return f"{line}; {choice}" if choice else line
 
 
-def _weight_kinds(model) -> set[int]:
+def _weight_kinds(model) -> dict[int, set[int]]:
     """The kernel kinds of the narrow weights an in-process model's layers hold (GGUF blocks, packed int4 / int8 /
-    FP8)."""
+    FP8), each with the rows up to which its layers take the small-batch kernel."""
     from strata.layers.quantization import gguf_quants
 
-    kinds = set()
+    kinds: dict[int, set[int]] = {}
     for module in model.modules():
         quant = getattr(module, "quant", None)
+        small_rows = getattr(quant, "small_rows", None)
         for w in getattr(quant, "weights", None) or []:
             if hasattr(w, "ggml_type"):
-                kinds.add(gguf_quants.kernel_kind(w.ggml_type))
-        for w in [getattr(quant, "weight", None), *(getattr(quant, "gate_up", None) or [])]:
+                kinds.setdefault(gguf_quants.kernel_kind(w.ggml_type), set()).add(small_rows.get(w.ggml_type))
+        for w in [getattr(quant, "weight", None), *(getattr(quant, "gate_up", None) or [])[:1]]:
             if hasattr(w, "kernel_kind"):
-                kinds.add(w.kernel_kind)
-    return kinds
+                rows = small_rows if isinstance(small_rows, int) else max(small_rows)
+                kinds.setdefault(w.kernel_kind, set()).add(rows)
+    return {kind: {r for r in rows if r is not None} for kind, rows in kinds.items()}
 
 
 def run_latency(args: argparse.Namespace) -> int:

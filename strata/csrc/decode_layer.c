@@ -35,11 +35,13 @@ typedef struct {
     norm_heads_fn norm_heads;
     rows_fn rows; /* rows of a table in ggml blocks (a GGUF embedding) */
     silu_fn gelu; /* gelu_tanh(gate) * up, the silu's signature */
+    weight_only_fn gemm; /* weight_gemm: the large-batch product of the same weights */
 } kernels_t;
 
 /* One linear layer as a kernel reads it: oneDNN's blocked layout (blocked_matmul) or rows of float32, bfloat16,
-   FP8, int8, int4 values or ggml blocks (weight_only_matmul); or `n_pieces` such layers whose outputs lie side by
-   side (a fused q/k/v whose parts a GGUF file stores in different types). */
+   FP8, int8, int4 values or ggml blocks (weight_only_matmul; from `gemm_rows` rows of x on, weight_gemm, as
+   kernel_choice.py measured them; 0: never); or `n_pieces` such layers whose outputs lie side by side (a fused
+   q/k/v whose parts a GGUF file stores in different types). */
 typedef struct linear_s {
     int64_t blocked, n, k;
     const void *weight;
@@ -49,6 +51,7 @@ typedef struct linear_s {
     const float *scales, *zeros;
     int64_t n_pieces;
     const struct linear_s *pieces;
+    int64_t gemm_rows;
 } linear_t;
 
 /* q/k norms over each head (NULL: none), the rotated leading dimensions of a head (partial rotary), the scale of
@@ -134,8 +137,9 @@ static int run_linear(const kernels_t *kn, const linear_t *l, const float *x, in
     if (l->n_pieces) return run_pieces(kn, l, x, rows, out, threads);
     if (l->blocked)
         return kn->blocked(x, rows, l->k, l->weight, (int)l->bf16, l->block, l->k_pad, l->n, l->bias, out, threads, 0);
-    return kn->weight_only(x, rows, l->k, l->weight, l->row_bytes, (int)l->kind, l->scales, l->zeros, l->groups,
-                           l->group_size, l->bias, out, l->n, threads);
+    const weight_only_fn product = l->gemm_rows > 0 && rows >= l->gemm_rows ? kn->gemm : kn->weight_only;
+    return product(x, rows, l->k, l->weight, l->row_bytes, (int)l->kind, l->scales, l->zeros, l->groups,
+                   l->group_size, l->bias, out, l->n, threads);
 }
 
 /* The norm before a block: the first layer's residual stream starts as its input (copied), later layers add the

@@ -62,7 +62,7 @@ class DecoderBlocks:
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, PTR) for name in ("weight_only", "blocked", "rms_norm", "rope", "silu", "attention",
-                                         "norm_heads", "rows", "gelu")]
+                                         "norm_heads", "rows", "gelu", "gemm")]
 
 
 class _Linear(ctypes.Structure):
@@ -72,7 +72,7 @@ class _Linear(ctypes.Structure):
 _Linear._fields_ = [("blocked", I64), ("n", I64), ("k", I64), ("weight", PTR), ("bias", PTR), ("bf16", I64),
                     ("block", I64), ("k_pad", I64), ("row_bytes", I64), ("kind", I64), ("groups", I64),
                     ("group_size", I64), ("scales", PTR), ("zeros", PTR), ("n_pieces", I64),
-                    ("pieces", ctypes.POINTER(_Linear))]
+                    ("pieces", ctypes.POINTER(_Linear)), ("gemm_rows", I64)]
 
 
 class _AttentionBlock(ctypes.Structure):
@@ -117,7 +117,7 @@ def _kernels() -> _Kernels | None:
                "rope": (rotary._library, "rope_half_split"), "silu": (activation._library, "silu_and_mul"),
                "attention": (cpu_attention._library, "scored_decode_attention"),
                "norm_heads": (norm._library, "rms_norm_heads"), "rows": (cpu_matmul._library, "weight_rows"),
-               "gelu": (activation._library, "gelu_tanh_and_mul")}
+               "gelu": (activation._library, "gelu_tanh_and_mul"), "gemm": (cpu_matmul._gemm_library, "weight_gemm")}
     addresses = {}
     for field, (library, name) in sources.items():
         lib = library()
@@ -134,7 +134,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _blocks_linear(method: GGUFMethod, bias: torch.Tensor | None, keep: list) -> _Linear:
     """A layer kept in ggml blocks: one weight, or pieces of several types whose outputs lie side by side."""
     pieces = [_Linear(n=w.rows, k=method.k, weight=w.data.data_ptr(), row_bytes=w.data.stride(0),
-                      kind=gguf_quants.kernel_kind(w.ggml_type)) for w in method._ready()]
+                      kind=gguf_quants.kernel_kind(w.ggml_type),
+                      gemm_rows=_gemm_rows(method.small_rows.get(w.ggml_type, gguf_quants.SMALL_BATCH)))
+              for w in method._ready()]
     keep.extend(w.data for w in method._ready())
     if len(pieces) == 1:
         pieces[0].bias = _ptr(bias)
@@ -143,6 +145,12 @@ def _blocks_linear(method: GGUFMethod, bias: torch.Tensor | None, keep: list) ->
     keep.append(array)
     return _Linear(n=method.n, k=method.k, bias=_ptr(bias), n_pieces=len(pieces),
                    pieces=ctypes.cast(array, ctypes.POINTER(_Linear)))
+
+
+def _gemm_rows(small_rows: int) -> int:
+    """The rows from which a narrow weight's products in the C step take the GEMM (0: never, at the rows a step
+    serves), past the crossover kernel_choice measured."""
+    return small_rows + 1 if small_rows < weight_only_module.SMALL_BATCH else 0
 
 
 def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list) -> tuple[_Linear, int] | None:
@@ -165,8 +173,8 @@ def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list
         keep.extend(t for t in (w.packed, w.scales, w.zeros) if t is not None)
         return _Linear(blocked=0, n=w.out_features, k=w.in_features, weight=w.packed.data_ptr(), bias=_ptr(bias),
                        row_bytes=w.packed.stride(0), kind=w.kernel_kind, groups=w.scales.shape[1],
-                       group_size=w.effective_group_size, scales=w.scales.data_ptr(),
-                       zeros=_ptr(w.zeros)), weight_only_module.SMALL_BATCH
+                       group_size=w.effective_group_size, scales=w.scales.data_ptr(), zeros=_ptr(w.zeros),
+                       gemm_rows=_gemm_rows(method.small_rows)), weight_only_module.SMALL_BATCH
     weight = layer.weight
     if weight.is_mkldnn:
         layout = getattr(weight, "blocked_layout", None)

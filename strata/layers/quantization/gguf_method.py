@@ -43,6 +43,7 @@ class GGUFMethod:
         self.n, self.k = _local_shape(layer)
         self.loaded: list[BlockWeight] = []
         self.weights: list[BlockWeight] | None = None
+        self.small_rows: dict[int, int] = {}  # ggml type -> rows up to which it takes the small-batch kernel
 
     def load(self, layer: nn.Module, tensor: object, shard_id: object = None) -> None:
         if not isinstance(tensor, GGUFTensor):
@@ -75,14 +76,20 @@ class GGUFMethod:
                                  f"its {self.n} rows")
         self.weights, self.loaded = pieces, []
         for p in pieces:
-            if p.data.device.type == "cpu":
-                kernel_choice.choose(gguf_quants.kernel_kind(p.ggml_type))  # measured once a process (and cached)
+            if p.data.device.type == "cpu":  # measured once (and cached) per type and shape
+                operands = {"weight": p.data, "kind": gguf_quants.kernel_kind(p.ggml_type), "out_features": p.rows}
+                self.small_rows[p.ggml_type] = kernel_choice.choose(operands, self.k)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weights = self._ready()
+        rows = self.small_rows
         if len(weights) == 1:
-            return gguf_quants.gguf_linear(x, weights[0].data, weights[0].ggml_type, self.k, bias)
-        out = torch.cat([gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k) for w in weights], dim=-1)
+            w = weights[0]
+            return gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, bias,
+                                           rows.get(w.ggml_type, gguf_quants.SMALL_BATCH))
+        out = torch.cat([gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, None,
+                                                 rows.get(w.ggml_type, gguf_quants.SMALL_BATCH)) for w in weights],
+                        dim=-1)
         return out if bias is None else out + bias.to(out.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

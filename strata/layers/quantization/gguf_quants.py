@@ -142,13 +142,13 @@ def kernel_kind(qtype: int) -> int:
     return cpu_matmul.KIND_GGUF + qtype
 
 
-def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, k: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
+                small_rows: int = SMALL_BATCH) -> torch.Tensor:
     """x [..., k] (float32 or bfloat16) times a GGUF weight uint8 [N, row_bytes] (+ bias [N]): [..., N] in x's dtype.
-    On CPU up to SMALL_BATCH rows of x run the small-batch C kernel (each weight row read once, its blocks
-    dequantized in registers), more rows the C GEMM (the weight widened to float32 a cache-sized panel at a time;
-    float32 weights: oneDNN's GEMM). Elsewhere, or without a C compiler (which native.py warns about), the weight is
-    dequantized for the call and F.linear runs."""
+    On CPU up to `small_rows` rows of x (kernel_choice.small_batch_rows of the type) run the small-batch C kernel
+    (each weight row read once, its blocks dequantized in registers), more rows the C GEMM (the weight widened a
+    cache-sized panel at a time; float32 weights: oneDNN's GEMM). Elsewhere, or without a C compiler (which
+    native.py warns about), the weight is dequantized for the call and F.linear runs."""
     _check_data(data, qtype, k)
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the GGUF weight expects {k}")
@@ -156,7 +156,7 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, k: int,
     n = data.shape[0]
     if x.device.type != "cpu" or not cpu_matmul.available():
         y = F.linear(rows, dequantize(data, qtype, k), None if bias is None else bias.to(torch.float32))
-    elif rows.shape[0] <= SMALL_BATCH:
+    elif rows.shape[0] <= small_rows:
         y = cpu_matmul.matmul(rows, data, kernel_kind(qtype), n, bias=bias)
     elif qtype == F32:
         y = cpu_matmul.gemm(rows, data.view(torch.float32), None if bias is None else bias.to(torch.float32))

@@ -1,7 +1,8 @@
 """Kernel choices measured on the machine that runs them, not tuned on one: for each GGUF block type, up to how many
 rows of x the fixed-point kernels (x rounded to 24-bit integers, one pass a row) beat the float ones (each run
 widened once for all rows); for each kind of narrow weight, whether the large-batch products run on AMX tiles or
-the FMA GEMM. A short calibration on the first weight of a kind, cached per build and CPU."""
+the FMA GEMM, and (on AMX) up to how many rows the small-batch kernels beat that GEMM. A short calibration on the
+first weight of a kind, cached per build and CPU."""
 from __future__ import annotations
 
 import functools
@@ -118,18 +119,23 @@ def kind_name(kind: int) -> str:
     return _DENSE_NAMES.get(kind, f"kind {kind}")
 
 
-def _gemm_operands(kind: int) -> dict:
-    """A [GEMM_N, GEMM_K] weight of this kind for narrow_gemm, its bytes all 0x11 (valid blocks, normal scales)."""
+def _gemm_row_bytes(kind: int) -> int:
+    """Bytes of one row of GEMM_K values of this kind."""
     if kind >= cpu_matmul.KIND_GGUF:
         t = gguf_quants.TYPES[kind - cpu_matmul.KIND_GGUF]
-        return {"weight": torch.full((GEMM_N, GEMM_K // t.values_per_block * t.bytes_per_block), 0x11,
-                                     dtype=torch.uint8)}
+        return GEMM_K // t.values_per_block * t.bytes_per_block
+    return {cpu_matmul.KIND_BF16: 2 * GEMM_K, cpu_matmul.KIND_INT4: GEMM_K // 2}.get(kind, GEMM_K)  # int8, FP8: 1
+
+
+def _gemm_operands(kind: int, rows: int = GEMM_N) -> dict:
+    """A [rows, GEMM_K] weight of this kind for the products, its bytes all 0x11 (valid blocks, normal scales)."""
+    weight = torch.full((rows, _gemm_row_bytes(kind)), 0x11, dtype=torch.uint8)
+    if kind >= cpu_matmul.KIND_GGUF:
+        return {"weight": weight}
     if kind == cpu_matmul.KIND_BF16:
-        return {"weight": torch.full((GEMM_N, GEMM_K * 2), 0x11, dtype=torch.uint8).view(torch.bfloat16)}
+        return {"weight": weight.view(torch.bfloat16)}
     per_group = 128 if kind == cpu_matmul.KIND_INT4 else GEMM_K  # W4A16's usual groups, W8A16 / FP8 per channel
-    width = GEMM_K // 2 if kind == cpu_matmul.KIND_INT4 else GEMM_K
-    return {"weight": torch.full((GEMM_N, width), 0x11, dtype=torch.uint8),
-            "scales": torch.ones(GEMM_N, GEMM_K // per_group), "group_size": per_group}
+    return {"weight": weight, "scales": torch.ones(rows, GEMM_K // per_group), "group_size": per_group}
 
 
 def measure_gemm_engine(kind: int) -> str | None:
@@ -176,15 +182,59 @@ def gemm_engine(kind: int) -> str | None:
     return engine
 
 
-def choose(kind: int) -> None:
-    """Every measured choice for a weight kind a model holds, made (or read back) before its first step."""
+SMALL_BATCH = 16  # rows up to which the small-batch kernels serve where the GEMM is the FMA one (Zen 3, Xeon)
+_CROSSOVER_ROWS = (8, 12, 16)  # rows timed against the AMX GEMM
+
+
+def measure_small_batch_rows(operands: dict, k: int) -> int:
+    """Times the small-batch kernel and the GEMM at _CROSSOVER_ROWS rows of x [rows, k] on one weight (cpu_matmul's
+    keywords) and returns the most rows up to which the small-batch kernel is faster at every count timed (7 when
+    it loses at 8: fewer rows are not timed, the kernel reads each weight row once for all of them)."""
+    times = []
+    for rows in _CROSSOVER_ROWS:
+        x = torch.randn(rows, k)
+        times.append(tuple(_best_seconds(lambda product=product, x=x: product(x, **operands))
+                           for product in (cpu_matmul.matmul, cpu_matmul.narrow_gemm)))
+    chosen = _CROSSOVER_ROWS[0] - 1
+    for rows, (small, gemm) in zip(_CROSSOVER_ROWS, times, strict=True):
+        if small >= gemm:
+            break
+        chosen = rows
+    logger.info("kernel choice for %s [%d x %d]: small-batch kernel up to %d rows, then the GEMM (us small / GEMM "
+                "at %s rows: %s)", kind_name(operands["kind"]), operands["out_features"], k, chosen,
+                "/".join(map(str, _CROSSOVER_ROWS)), ", ".join(f"{1e6 * a:.0f}/{1e6 * b:.0f}" for a, b in times))
+    return chosen
+
+
+def small_batch_rows(operands: dict, k: int) -> int:
+    """Up to how many rows of x products with this weight (cpu_matmul's keywords, K = k) take the small-batch
+    kernel, more rows the GEMM. Measured on the weight itself, cached per kind and shape, where its kind's GEMM
+    runs on AMX tiles (whose fixed cost a call, against the kernel's cost a row, moves the crossover with the
+    machine and the layer's size); SMALL_BATCH elsewhere."""
+    kind = operands["kind"]
+    if gemm_engine(kind) != "AMX":
+        return SMALL_BATCH
+    key = f"small-batch {kind_name(kind)} {operands['out_features']}x{k}"
+    rows = _read_cache().get(key)
+    if rows is None or not 1 <= rows <= SMALL_BATCH:
+        rows = measure_small_batch_rows(operands, k)
+        _write_cache(key, rows)
+    return rows
+
+
+def choose(operands: dict, k: int) -> int:
+    """Every measured choice for a weight a model holds (cpu_matmul's keywords, K = k), made (or read back) before
+    its first step; returns the rows up to which its products take the small-batch kernel."""
+    kind = operands["kind"]
     if kind >= cpu_matmul.KIND_GGUF:
         fixed_point_rows(kind - cpu_matmul.KIND_GGUF)
     gemm_engine(kind)
+    return small_batch_rows(operands, k)
 
 
-def summary(kinds: set[int]) -> str:
-    """The choices in force for a model's weight kinds, for `strata bench latency` (empty when it has none)."""
+def summary(kinds: dict[int, set[int]]) -> str:
+    """The choices in force for a model's weight kinds (each with the small-batch rows its layers were given), for
+    `strata bench latency` (empty when it has none)."""
     if not kinds or not cpu_matmul.available():
         return ""
     lib, gemm = cpu_matmul._library(), cpu_matmul._gemm_library()
@@ -193,6 +243,7 @@ def summary(kinds: set[int]) -> str:
     fixed = [f"{kind_name(k)} up to {r} rows" for k, r in rows.items() if r >= 0]
     if fixed:
         parts.append("GGUF fixed-point kernels (then float): " + ", ".join(fixed))
-    engines = [f"{kind_name(k)} {GEMM_ENGINES[e] if (e := gemm.gemm_engine(k)) >= 0 else 'FMA'}"
-               for k in sorted(kinds) if k not in (cpu_matmul.KIND_F32, cpu_matmul.KIND_GGUF_F32)]  # oneDNN's
+    engines = [f"{kind_name(k)} AMX above {'/'.join(map(str, sorted(kinds[k])))} rows" if gemm.gemm_engine(k) == 1
+               else f"{kind_name(k)} FMA" for k in sorted(kinds)
+               if k not in (cpu_matmul.KIND_F32, cpu_matmul.KIND_GGUF_F32)]  # float32 weights: oneDNN's
     return "; ".join([*parts, "large-batch GEMM: " + ", ".join(engines)])

@@ -20,7 +20,14 @@ from strata.layers.quantization.gguf_method import quantize_gguf
 from strata.layers.quantization.moe_method import quantize_experts
 from strata.layers.quantization.mxfp4 import mxfp4_experts
 from strata.layers.quantization.stored import load_stored, local_shape
-from strata.layers.quantization.weight_only import QuantizedWeight, pack_fp8, pack_weight, weight_only_linear
+from strata.layers.quantization.weight_only import (
+    SMALL_BATCH,
+    QuantizedWeight,
+    kernel_operands,
+    pack_fp8,
+    pack_weight,
+    weight_only_linear,
+)
 from strata.quant_config import FP8, INT8_W8A8, GGUFQuantConfig, LinearScheme, MXFP4QuantConfig, QuantConfig
 
 logger = logging.getLogger(__name__)
@@ -35,6 +42,7 @@ class QuantizedLinearMethod:
         self.scheme, self.n, self.k, self.name = scheme, out_features, in_features, name
         self.weight: QuantizedWeight | None = None
         self.perm: torch.Tensor | None = None
+        self.small_rows = SMALL_BATCH  # rows up to which products take the small-batch kernel (measured at finish)
 
     def finish(self, layer: PackableLinear) -> None:
         """Loaded stored tensors -> the canonical weight; the stored tensors are dropped."""
@@ -61,8 +69,8 @@ class QuantizedLinearMethod:
         self._choose_kernels()
 
     def _choose_kernels(self) -> None:
-        if self.weight.packed.device.type == "cpu":
-            kernel_choice.choose(self.weight.kernel_kind)  # measured once a process (and cached) per kind
+        if self.weight.packed.device.type == "cpu":  # measured once a process (and cached) per kind
+            self.small_rows = kernel_choice.choose(kernel_operands(self.weight), self.weight.in_features)
 
     def apply(self, layer: PackableLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight is None:
@@ -73,7 +81,7 @@ class QuantizedLinearMethod:
             x = fake_quantize_per_token(x, 127.0, None)
         elif self.scheme.format == FP8 and self.scheme.dynamic_activations:
             x = fake_quantize_per_token(x, FP8_MAX, torch.float8_e4m3fn)
-        return weight_only_linear(x, self.weight, bias)
+        return weight_only_linear(x, self.weight, bias, self.small_rows)
 
     @property
     def nbytes(self) -> int:

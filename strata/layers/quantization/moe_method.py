@@ -17,7 +17,13 @@ from strata.layers.moe import DOWN, GATE, FusedMoE
 from strata.layers.quantization import kernel_choice
 from strata.layers.quantization.formats import TensorLayout, layouts, to_canonical
 from strata.layers.quantization.stored import load_stored, local_shape
-from strata.layers.quantization.weight_only import QuantizedWeight, pack_weight, weight_only_linear
+from strata.layers.quantization.weight_only import (
+    SMALL_BATCH,
+    QuantizedWeight,
+    kernel_operands,
+    pack_weight,
+    weight_only_linear,
+)
 from strata.quant_config import AWQ, GPTQ, PACKED, LinearScheme
 
 WEIGHT_ONLY = (PACKED, GPTQ, AWQ)
@@ -53,6 +59,7 @@ class QuantizedExpertsMethod:
         self.gate_up: list[QuantizedWeight] = []
         self.down: list[QuantizedWeight] = []
         self.perms: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []  # activation order, per expert
+        self.small_rows = (SMALL_BATCH, SMALL_BATCH)  # gate_up's and down's: up to them the small-batch kernel
 
     def stored_names(self, moe: FusedMoE) -> dict[str, dict[str, TensorLayout]]:
         """Projection -> {suffix: layout} of the tensors each expert stores (layouts judge groups on full K)."""
@@ -89,8 +96,9 @@ class QuantizedExpertsMethod:
         for proj, suffixes in names.items():
             for suffix in suffixes:
                 delattr(moe, f"{proj}_{suffix}")
-        if self.gate_up and self.gate_up[0].packed.device.type == "cpu":
-            kernel_choice.choose(self.gate_up[0].kernel_kind)  # measured once a process (and cached) per kind
+        if self.gate_up and self.gate_up[0].packed.device.type == "cpu":  # measured once a process (and cached)
+            self.small_rows = tuple(kernel_choice.choose(kernel_operands(w[0]), w[0].in_features)
+                                    for w in (self.gate_up, self.down))
 
     def _pack(self, moe: FusedMoE, e: int, proj: str, lays: dict[str, TensorLayout], n: int,
               k: int) -> tuple[QuantizedWeight, torch.Tensor | None]:
@@ -114,10 +122,10 @@ class QuantizedExpertsMethod:
         gate_up_perm, down_perm = self.perms[expert]
         if gate_up_perm is not None:
             h = h[:, gate_up_perm]
-        act = silu_and_mul(weight_only_linear(h, self.gate_up[expert]))
+        act = silu_and_mul(weight_only_linear(h, self.gate_up[expert], small_rows=self.small_rows[0]))
         if down_perm is not None:
             act = act[:, down_perm]
-        return weight_only_linear(act, self.down[expert])
+        return weight_only_linear(act, self.down[expert], small_rows=self.small_rows[1])
 
     @property
     def nbytes(self) -> int:

@@ -142,18 +142,24 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     return (unpack(w).to(torch.float32) - zeros) * scales
 
 
-def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (float32 or bfloat16) times the weight: [..., N] in x's dtype. On CPU, up to
-    SMALL_BATCH rows run the small-batch C kernel (weights read once, dequantized in registers), more rows the C
-    GEMM (the weight dequantized a cache-sized panel at a time). Elsewhere (CUDA, or no C compiler, which
-    native.py warns about) the plain-torch dequantize-then-matmul runs."""
+def kernel_operands(w: QuantizedWeight) -> dict:
+    """The weight as cpu_matmul's products take it (keywords)."""
+    return {"weight": w.packed, "kind": w.kernel_kind, "out_features": w.out_features, "scales": w.scales,
+            "zeros": w.zeros, "group_size": w.effective_group_size}
+
+
+def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                       small_rows: int = SMALL_BATCH) -> torch.Tensor:
+    """x [..., K] (float32 or bfloat16) times the weight: [..., N] in x's dtype. On CPU, up to `small_rows` rows
+    (kernel_choice.small_batch_rows of the weight's kind) run the small-batch C kernel (weights read once,
+    dequantized in registers), more rows the C GEMM (the weight dequantized a cache-sized panel at a time).
+    Elsewhere (CUDA, or no C compiler, which native.py warns about) the plain-torch dequantize-then-matmul runs."""
     if x.shape[-1] != w.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {w.in_features}")
     rows = cpu_matmul.float_rows(x)
-    kind = w.kernel_kind
     if x.device.type != "cpu" or not cpu_matmul.available():
         y = F.linear(rows, dequantize(w), None if bias is None else bias.to(torch.float32))
     else:
-        product = cpu_matmul.matmul if rows.shape[0] <= SMALL_BATCH else cpu_matmul.narrow_gemm
-        y = product(rows, w.packed, kind, w.out_features, w.scales, w.zeros, w.effective_group_size, bias)
+        product = cpu_matmul.matmul if rows.shape[0] <= small_rows else cpu_matmul.narrow_gemm
+        y = product(rows, **kernel_operands(w), bias=bias)
     return cpu_matmul.like_rows(y, x)

@@ -51,7 +51,7 @@ def test_crossover_is_measured_once_then_read_from_the_cache(fresh_choice, monke
     assert json.loads(cache.read_text()) == {"Q4_K": rows}
     kernel_choice.fixed_point_rows.cache_clear()  # a new process: the cache answers, nothing is timed
     assert kernel_choice.fixed_point_rows(gp.Q4_K) == rows and len(timed) == 1
-    assert "Q4_K up to" in kernel_choice.summary({gguf_quants.kernel_kind(gp.Q4_K)})
+    assert "Q4_K up to" in kernel_choice.summary({gguf_quants.kernel_kind(gp.Q4_K): {16}})
 
 
 def test_types_without_fixed_point_kernels_are_not_timed(fresh_choice):
@@ -93,7 +93,7 @@ def test_gemm_engine_is_measured_once_then_read_from_the_cache(fresh_choice, mon
     kind = cpu_matmul.KIND_INT4
     if gemm.gemm_engine(kind) < 0:
         assert kernel_choice.gemm_engine(kind) is None  # no AMX path in this build: nothing to choose or time
-        assert "int4 FMA" in kernel_choice.summary({kind})
+        assert "int4 FMA" in kernel_choice.summary({kind: {16}})
         return
     timed = []
     measure = kernel_choice.measure_gemm_engine
@@ -106,7 +106,7 @@ def test_gemm_engine_is_measured_once_then_read_from_the_cache(fresh_choice, mon
     assert json.loads(cache.read_text()) == {"gemm int4": kernel_choice.GEMM_ENGINES.index(engine)}
     kernel_choice.gemm_engine.cache_clear()  # a new process: the cache answers, nothing is timed
     assert kernel_choice.gemm_engine(kind) == engine and timed == [kind]
-    assert f"large-batch GEMM: int4 {engine}" in kernel_choice.summary({kind})
+    assert f"large-batch GEMM: int4 {engine}" in kernel_choice.summary({kind: {9, 12}})
 
 
 def test_a_process_refused_amx_keeps_the_fma_gemm_and_caches_nothing(fresh_choice, monkeypatch):
@@ -123,7 +123,29 @@ def test_a_process_refused_amx_keeps_the_fma_gemm_and_caches_nothing(fresh_choic
 def test_choose_makes_every_choice_a_kind_has(fresh_choice, monkeypatch):
     made = []
     monkeypatch.setattr(kernel_choice, "fixed_point_rows", lambda qtype: made.append(("rows", qtype)))
-    monkeypatch.setattr(kernel_choice, "gemm_engine", lambda kind: made.append(("gemm", kind)))
-    kernel_choice.choose(gguf_quants.kernel_kind(gp.Q4_1))
-    kernel_choice.choose(cpu_matmul.KIND_INT8)
-    assert made == [("rows", gp.Q4_1), ("gemm", gguf_quants.kernel_kind(gp.Q4_1)), ("gemm", cpu_matmul.KIND_INT8)]
+    monkeypatch.setattr(kernel_choice, "gemm_engine", lambda kind: made.append(("gemm", kind)) or "FMA")
+    q4_1 = {"weight": None, "kind": gguf_quants.kernel_kind(gp.Q4_1), "out_features": 8}
+    assert kernel_choice.choose(q4_1, 64) == kernel_choice.SMALL_BATCH  # the FMA GEMM: the crossover stays
+    assert kernel_choice.choose({**q4_1, "kind": cpu_matmul.KIND_INT8}, 64) == kernel_choice.SMALL_BATCH
+    assert made == [("rows", gp.Q4_1), ("gemm", q4_1["kind"]), ("gemm", q4_1["kind"]),
+                    ("gemm", cpu_matmul.KIND_INT8), ("gemm", cpu_matmul.KIND_INT8)]
+
+
+def test_small_batch_crossover_is_measured_per_shape_on_amx_then_read_from_the_cache(fresh_choice, monkeypatch):
+    kind = gguf_quants.kernel_kind(gp.Q4_0)
+    if cpu_matmul._gemm_library().gemm_engine(kind) < 0:
+        pytest.skip("this build has no AMX path")
+    monkeypatch.setattr(kernel_choice, "gemm_engine", lambda kind: "AMX")
+    timed = []
+    measure = kernel_choice.measure_small_batch_rows
+    monkeypatch.setattr(kernel_choice, "measure_small_batch_rows",
+                        lambda operands, k: timed.append((operands["out_features"], k)) or measure(operands, k))
+    operands = {"weight": torch.from_numpy(gp.random_blocks(gp.Q4_0, 96, 256)), "kind": kind, "out_features": 96}
+    rows = kernel_choice.choose(operands, 256)
+    assert 7 <= rows <= 16 and timed == [(96, 256)]
+    assert kernel_choice.choose(operands, 256) == rows and timed == [(96, 256)]  # the cache answers
+    wider = {**operands, "weight": torch.from_numpy(gp.random_blocks(gp.Q4_0, 160, 256)), "out_features": 160}
+    kernel_choice.choose(wider, 256)
+    assert timed == [(96, 256), (160, 256)]  # another shape is timed on its own
+    [cache] = kernel_choice.native.cache_dir().glob("*-choices.json")
+    assert json.loads(cache.read_text())["small-batch Q4_0 96x256"] == rows
