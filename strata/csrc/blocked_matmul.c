@@ -83,6 +83,37 @@ static inline __attribute__((always_inline)) void strip_f32(const float *x, int6
         for (int j = 0; j < S / 8; j++) _mm256_storeu_ps(acc + r * nb + 8 * j, sum[r * S / 8 + j]);
 }
 
+#if defined(__AVX512F__) && !defined(STRATA_NO_AVX512)
+/* The same for a whole 64-wide block on AVX-512: four zmm sums a row of x over all k rows of the block, one
+   stream the hardware prefetcher follows (asking for lines 1-16 KiB ahead measured slower). One row of x reads
+   Llama 250M's float32 linears at 28.8 GB/s against 25.0 through the ymm strips, on two Xeon cores. */
+static inline __attribute__((always_inline)) void block64_f32(const float *x, int64_t x_stride, int64_t k,
+                                                              const float *w, const int R, float *acc) {
+    __m512 sum[12];
+#pragma GCC unroll 12
+    for (int i = 0; i < 4 * R; i++) sum[i] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++, w += 64) {
+        __m512 xv[3];
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) xv[r] = _mm512_set1_ps(x[r * x_stride + kk]);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m512 wv = _mm512_loadu_ps(w + 16 * j);
+#pragma GCC unroll 3
+            for (int r = 0; r < R; r++) sum[4 * r + j] = _mm512_fmadd_ps(wv, xv[r], sum[4 * r + j]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < 4 * R; i++) _mm512_storeu_ps(acc + (i / 4) * 64 + 16 * (i % 4), sum[i]);
+}
+#define DEFINE_BLOCK64(R)                                                                                      \
+    static void block64_##R(const float *x, int64_t k, const float *w, int64_t nb, float *acc) {              \
+        (void)nb;                                                                                              \
+        block64_f32(x, k, k, w, R, acc);                                                                       \
+    }
+DEFINE_BLOCK64(1) DEFINE_BLOCK64(2) DEFINE_BLOCK64(3)
+#endif
+
 #define KC 64 /* rows of a block per strip when several strips cover it: 16 KiB of a 64-wide block */
 /* The block in strips as wide as twelve sums allow (64 outputs for one row of x, 32 for two or three), K in
    chunks of KC. */
@@ -106,6 +137,10 @@ static void block_product(const float *x, int64_t rows, int64_t k, const void *b
                                             {strips_2_8, strips_2_16, strips_2_32, strips_2_32},
                                             {strips_3_8, strips_3_16, strips_3_32, strips_3_32}};
     if (bf16 || rows > 3) return fn(x, rows, k, block, bf16, acc);
+#if defined(__AVX512F__) && !defined(STRATA_NO_AVX512)
+    static const strips_fn whole[3] = {block64_1, block64_2, block64_3};
+    if (nb == 64) return whole[rows - 1](x, k, block, nb, acc);
+#endif
     by_rows[rows - 1][nb == 8 ? 0 : nb == 16 ? 1 : nb == 32 ? 2 : 3](x, k, block, nb, acc);
 }
 #else
