@@ -64,6 +64,12 @@ static int amx_reads(const weights_t *w) {
     }
 }
 
+/* Whether the AMX path reads weights of this kind (int4 / int8: those with integral zero points). */
+static int amx_reads_kind(int kind) {
+    const weights_t probe = {NULL, 0, 0, 0, 2, RUN, NULL, NULL, kind};
+    return kind >= 0 && kind < KIND_GGUF + 32 && amx_reads(&probe);
+}
+
 /* Kinds whose values are q * scale + offset with an offset that is not a whole multiple of the scale: the group's
    sum of x times the offset joins each output. */
 static inline int has_offsets(int kind) {
@@ -270,8 +276,10 @@ static inline __attribute__((always_inline)) void group_product(const uint16_t *
 static inline void add_tile(const float t[16][16], float *acc, int64_t acc_stride, const float *scales,
                             const float *offsets, const float *sums, int64_t sum_stride) {
     if (!scales) {
-        for (int i = 0; i < 16; i++)
-            _mm512_store_ps(acc + i * acc_stride, _mm512_add_ps(_mm512_load_ps(t[i]), _mm512_load_ps(acc + i * acc_stride)));
+        for (int i = 0; i < 16; i++) {
+            float *row = acc + i * acc_stride;
+            _mm512_store_ps(row, _mm512_add_ps(_mm512_load_ps(t[i]), _mm512_load_ps(row)));
+        }
         return;
     }
     const __m512 s = _mm512_loadu_ps(scales);

@@ -334,7 +334,6 @@ int weight_gemm(const float *x, int64_t m_total, int64_t k, const void *weight, 
     return failed ? -1 : 0;
 }
 
-
 /* Sets a kind's engine (GEMM_FMA or GEMM_AMX) while no product of it runs. Returns 0; -2 where this build has no AMX
    path for the kind; -1 where the operating system refuses this process AMX's tile state. */
 int set_gemm_engine(int kind, int engine) {
@@ -344,8 +343,7 @@ int set_gemm_engine(int kind, int engine) {
         return 0;
     }
 #if USE_AMX
-    const weights_t probe = {NULL, 0, 0, 0, 2, RUN, NULL, NULL, kind};
-    if (engine != GEMM_AMX || kind < 0 || kind >= KIND_GGUF + 32 || !amx_reads(&probe)) return -2;
+    if (engine != GEMM_AMX || !amx_reads_kind(kind)) return -2;
     if (!amx_permitted()) return -1;
     engine_of[kind] = GEMM_AMX;
     return 0;
@@ -358,8 +356,7 @@ int set_gemm_engine(int kind, int engine) {
 int gemm_engine(int kind) {
     kind = gguf_dense_kind(kind);
 #if USE_AMX
-    const weights_t probe = {NULL, 0, 0, 0, 2, RUN, NULL, NULL, kind};
-    if (kind >= 0 && kind < KIND_GGUF + 32 && amx_reads(&probe)) return engine_of[kind];
+    if (amx_reads_kind(kind)) return engine_of[kind];
 #endif
     (void)kind;
     return -2;
