@@ -122,15 +122,13 @@ def _weight_kinds(model) -> dict[int, set[int]]:
     kinds: dict[int, set[int]] = {}
     for module in model.modules():
         quant = getattr(module, "quant", None)
-        small_rows = getattr(quant, "small_rows", None)
-        for w in getattr(quant, "weights", None) or []:
-            if hasattr(w, "ggml_type"):
-                kinds.setdefault(gguf_quants.kernel_kind(w.ggml_type), set()).add(small_rows.get(w.ggml_type))
-        for w in [getattr(quant, "weight", None), *(getattr(quant, "gate_up", None) or [])[:1]]:
-            if hasattr(w, "kernel_kind"):
-                rows = small_rows if isinstance(small_rows, int) else max(small_rows)
-                kinds.setdefault(w.kernel_kind, set()).add(rows)
-    return {kind: {r for r in rows if r is not None} for kind, rows in kinds.items()}
+        for w in getattr(quant, "weights", None) or []:  # GGUF: its blocks by type
+            kinds.setdefault(gguf_quants.kernel_kind(w.ggml_type), set()).add(quant.small_rows[w.ggml_type])
+        weight = getattr(quant, "weight", None) or next(iter(getattr(quant, "gate_up", None) or []), None)
+        if hasattr(weight, "kernel_kind"):  # packed int4 / int8 / FP8, a linear's or routed experts'
+            rows = quant.small_rows
+            kinds.setdefault(weight.kernel_kind, set()).update(rows if isinstance(rows, tuple) else (rows,))
+    return kinds
 
 
 def run_latency(args: argparse.Namespace) -> int:

@@ -135,7 +135,7 @@ def _blocks_linear(method: GGUFMethod, bias: torch.Tensor | None, keep: list) ->
     """A layer kept in ggml blocks: one weight, or pieces of several types whose outputs lie side by side."""
     pieces = [_Linear(n=w.rows, k=method.k, weight=w.data.data_ptr(), row_bytes=w.data.stride(0),
                       kind=gguf_quants.kernel_kind(w.ggml_type),
-                      gemm_rows=_gemm_rows(method.small_rows.get(w.ggml_type, gguf_quants.SMALL_BATCH)))
+                      gemm_rows=_gemm_rows(method.small_rows[w.ggml_type]))
               for w in method._ready()]
     keep.extend(w.data for w in method._ready())
     if len(pieces) == 1:

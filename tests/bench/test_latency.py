@@ -63,3 +63,5 @@ def test_bench_latency_names_the_measured_gguf_kernel_choice(gguf_tied_q4_1, cap
     assert rc == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU kernels:"))
     assert "GGUF fixed-point kernels (then float): Q4_1 up to" in line
+    gemm = "AMX above" if cpu_matmul._gemm_library().gemm_engine(cpu_matmul.KIND_Q4_1) == 1 else "FMA"
+    assert f"large-batch GEMM: Q4_1 {gemm}" in line  # the engine each kind's layers take, as measured

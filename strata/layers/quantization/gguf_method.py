@@ -76,20 +76,19 @@ class GGUFMethod:
                                  f"its {self.n} rows")
         self.weights, self.loaded = pieces, []
         for p in pieces:
+            rows = gguf_quants.SMALL_BATCH
             if p.data.device.type == "cpu":  # measured once (and cached) per type and shape
                 operands = {"weight": p.data, "kind": gguf_quants.kernel_kind(p.ggml_type), "out_features": p.rows}
-                self.small_rows[p.ggml_type] = kernel_choice.choose(operands, self.k)
+                rows = kernel_choice.choose(operands, self.k)
+            self.small_rows[p.ggml_type] = rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weights = self._ready()
-        rows = self.small_rows
         if len(weights) == 1:
             w = weights[0]
-            return gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, bias,
-                                           rows.get(w.ggml_type, gguf_quants.SMALL_BATCH))
-        out = torch.cat([gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, None,
-                                                 rows.get(w.ggml_type, gguf_quants.SMALL_BATCH)) for w in weights],
-                        dim=-1)
+            return gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, bias, self.small_rows[w.ggml_type])
+        out = torch.cat([gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, None, self.small_rows[w.ggml_type])
+                         for w in weights], dim=-1)
         return out if bias is None else out + bias.to(out.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

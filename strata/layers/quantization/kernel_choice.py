@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from strata import native
-from strata.layers.quantization import cpu_matmul, gguf_quants
+from strata.layers.quantization import cpu_matmul, gguf_quants, weight_only
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,6 @@ def gemm_engine(kind: int) -> str | None:
     return engine
 
 
-SMALL_BATCH = 16  # rows up to which the small-batch kernels serve where the GEMM is the FMA one (Zen 3, Xeon)
 _CROSSOVER_ROWS = (8, 12, 16)  # rows timed against the AMX GEMM
 
 
@@ -210,13 +209,14 @@ def small_batch_rows(operands: dict, k: int) -> int:
     """Up to how many rows of x products with this weight (cpu_matmul's keywords, K = k) take the small-batch
     kernel, more rows the GEMM. Measured on the weight itself, cached per kind and shape, where its kind's GEMM
     runs on AMX tiles (whose fixed cost a call, against the kernel's cost a row, moves the crossover with the
-    machine and the layer's size); SMALL_BATCH elsewhere."""
+    machine and the layer's size); elsewhere the crossover measured for the FMA GEMM on Zen 3 and Xeon."""
     kind = operands["kind"]
+    most = gguf_quants.SMALL_BATCH if kind >= cpu_matmul.KIND_GGUF else weight_only.SMALL_BATCH
     if gemm_engine(kind) != "AMX":
-        return SMALL_BATCH
+        return most
     key = f"small-batch {kind_name(kind)} {operands['out_features']}x{k}"
     rows = _read_cache().get(key)
-    if rows is None or not 1 <= rows <= SMALL_BATCH:
+    if rows is None or not 1 <= rows <= most:
         rows = measure_small_batch_rows(operands, k)
         _write_cache(key, rows)
     return rows

@@ -69,7 +69,7 @@ class QuantizedLinearMethod:
         self._choose_kernels()
 
     def _choose_kernels(self) -> None:
-        if self.weight.packed.device.type == "cpu":  # measured once a process (and cached) per kind
+        if self.weight.packed.device.type == "cpu":  # measured once (and cached) per kind and shape
             self.small_rows = kernel_choice.choose(kernel_operands(self.weight), self.weight.in_features)
 
     def apply(self, layer: PackableLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

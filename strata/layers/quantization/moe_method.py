@@ -96,7 +96,7 @@ class QuantizedExpertsMethod:
         for proj, suffixes in names.items():
             for suffix in suffixes:
                 delattr(moe, f"{proj}_{suffix}")
-        if self.gate_up and self.gate_up[0].packed.device.type == "cpu":  # measured once a process (and cached)
+        if self.gate_up and self.gate_up[0].packed.device.type == "cpu":  # measured (and cached) per kind and shape
             self.small_rows = tuple(kernel_choice.choose(kernel_operands(w[0]), w[0].in_features)
                                     for w in (self.gate_up, self.down))
 

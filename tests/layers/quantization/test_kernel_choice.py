@@ -9,7 +9,7 @@ import gguf_packing as gp
 import pytest
 import torch
 
-from strata.layers.quantization import cpu_matmul, gguf_quants, kernel_choice
+from strata.layers.quantization import cpu_matmul, gguf_quants, kernel_choice, weight_only
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C compiler")
 
@@ -128,8 +128,8 @@ def test_choose_makes_every_choice_a_kind_has(fresh_choice, monkeypatch):
     monkeypatch.setattr(kernel_choice, "fixed_point_rows", lambda qtype: made.append(("rows", qtype)))
     monkeypatch.setattr(kernel_choice, "gemm_engine", lambda kind: made.append(("gemm", kind)) or "FMA")
     q4_1 = {"weight": None, "kind": gguf_quants.kernel_kind(gp.Q4_1), "out_features": 8}
-    assert kernel_choice.choose(q4_1, 64) == kernel_choice.SMALL_BATCH  # the FMA GEMM: the crossover stays
-    assert kernel_choice.choose({**q4_1, "kind": cpu_matmul.KIND_INT8}, 64) == kernel_choice.SMALL_BATCH
+    assert kernel_choice.choose(q4_1, 64) == gguf_quants.SMALL_BATCH  # the FMA GEMM: the crossover stays
+    assert kernel_choice.choose({**q4_1, "kind": cpu_matmul.KIND_INT8}, 64) == weight_only.SMALL_BATCH
     assert made == [("rows", gp.Q4_1), ("gemm", q4_1["kind"]), ("gemm", q4_1["kind"]),
                     ("gemm", cpu_matmul.KIND_INT8), ("gemm", cpu_matmul.KIND_INT8)]
 
