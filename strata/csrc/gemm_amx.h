@@ -1,9 +1,10 @@
 /* weight_gemm on AMX tiles (Intel Sapphire Rapids and later), for weights whose values are exact in bfloat16 once
    their scales and offsets are set aside: bfloat16, FP8, int4 / int8 with integral zero points, and GGUF Q4_0,
-   Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K. x stays float32: each value is cut into three bfloat16 pieces whose sum is
+   Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. x stays float32: each value is cut into three bfloat16 pieces whose sum is
    exactly that value (8 + 8 + 8 significant bits), so every product of a piece by a weight value is exact and the
    tiles sum them in float32 as an FMA GEMM sums its products. A group of values that share a scale (a GGUF run of
-   32, an int4 / int8 group, four runs of an unscaled or per-channel kind) is summed in the tiles, then scaled (and
+   32 or Q6_K's 16, an int4 / int8 group, four runs of an unscaled or per-channel kind) is summed in the tiles, then
+   scaled (and
    its offset times the group's sum of x added) in float32 with AVX-512. One tile product costs as much as sixteen
    AVX-512 FMAs and does 512 of them, so three pieces still leave a few times float32's rate. */
 #ifndef STRATA_GEMM_AMX_H
@@ -39,12 +40,14 @@ static int amx_permitted(void) {
 }
 
 /* Tiles 0-3 sums (m-block i, strip j at 2i + j), 4-5 x's pieces of two m-blocks, 6-7 the weights of two strips:
-   all 16 rows of 64 bytes. Loaded by each thread (the configuration is per thread). */
-static void configure_tiles(void) {
+   all 16 rows of 64 bytes, or for halves products over 16 values of K (Q6_K's scale groups): x's tiles 16 rows of
+   32 bytes, the weights' 8 rows (pairs) of 64. Loaded by each thread (the configuration is per thread). */
+static void configure_tiles(int halves) {
     tile_config_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.rows[t] = 16, c.bytes_per_row[t] = 64;
+    if (halves) c.bytes_per_row[4] = c.bytes_per_row[5] = 32, c.rows[6] = c.rows[7] = 8;
     _tile_loadconfig(&c);
 }
 
@@ -52,7 +55,7 @@ static void configure_tiles(void) {
 static int amx_reads(const weights_t *w) {
     switch (w->kind) {
     case KIND_BF16: case KIND_FP8: case KIND_Q4_0: case KIND_Q4_1: case KIND_Q5_0: case KIND_Q5_1: case KIND_Q8_0:
-    case KIND_Q4_K: case KIND_Q5_K:
+    case KIND_Q4_K: case KIND_Q5_K: case KIND_Q6_K:
         return 1;
     case KIND_INT4: case KIND_INT8:
         if (w->group_size % RUN) return 0;
@@ -76,6 +79,9 @@ static inline int has_offsets(int kind) {
     return kind == KIND_Q4_1 || kind == KIND_Q5_1 || kind == KIND_Q4_K || kind == KIND_Q5_K;
 }
 
+/* Kinds with two scales a run (one per 16 values): each half of a run is a tile product of its own. */
+static inline int halves_of(int kind) { return kind == KIND_Q6_K ? 2 : 1; }
+
 /* Runs of K summed in the tiles before they are scaled: a GGUF run; for int4 / int8 groups, the most runs up to
    GROUP_RUNS that divide a group (so none straddles two scales); else (unscaled, or one scale a row) GROUP_RUNS. */
 static inline int64_t runs_per_group(const weights_t *w) {
@@ -86,130 +92,7 @@ static inline int64_t runs_per_group(const weights_t *w) {
     return runs;
 }
 
-/* 32 integers (two vectors of 16 bytes, signed or not, less `minus`) as 32 bfloat16 values, in order: exact for
-   magnitudes up to 256. */
-static inline __m512i bf16_of_bytes(__m128i low, __m128i high, const int SIGNED, __m512 minus) {
-    const __m512i a = SIGNED ? _mm512_cvtepi8_epi32(low) : _mm512_cvtepu8_epi32(low);
-    const __m512i b = SIGNED ? _mm512_cvtepi8_epi32(high) : _mm512_cvtepu8_epi32(high);
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(_mm512_cvtepi32_ps(b), minus),
-                                        _mm512_sub_ps(_mm512_cvtepi32_ps(a), minus));
-}
-
-/* Run `run` (values 32 run .. 32 run + 31, in scale group g of an int4 / int8 / FP8 weight) of weight row r as
-   32 bfloat16 values v, and the scale and offset with which v * scale + offset are the weight's values. */
-static inline __attribute__((always_inline)) __m512i weight_run(const int KIND, const weights_t *w, int64_t r,
-                                                                 int64_t run, int64_t g, float *scale,
-                                                                 float *offset) {
-    const uint8_t *row = w->data + r * w->row_bytes;
-    *scale = 1.f, *offset = 0.f;
-    if (KIND == KIND_BF16) { /* a partial last run: only its values, zeros after */
-        const int64_t left = w->k - run * RUN;
-        const __mmask32 valid = left >= RUN ? 0xffffffffu : (__mmask32)((1u << left) - 1);
-        return _mm512_maskz_loadu_epi16(valid, row + run * RUN * 2);
-    }
-    if (KIND == KIND_INT4 || KIND == KIND_INT8 || KIND == KIND_FP8) {
-        *scale = w->scales[r * w->groups + g];
-        if (KIND == KIND_FP8) { /* sign and 7 bits under float32's exponent and mantissa, rebiased: exact */
-            const __m512i sign = _mm512_set1_epi32(0x80), rest = _mm512_set1_epi32(0x7f);
-            __m512 v[2];
-            for (int h = 0; h < 2; h++) {
-                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + run * RUN + 16 * h)));
-                const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(q, sign), 24),
-                                                     _mm512_slli_epi32(_mm512_and_si512(q, rest), 20));
-                v[h] = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
-            }
-            return (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
-        }
-        const __m512 zero = _mm512_set1_ps(zero_point(w, r, g));
-        if (KIND == KIND_INT8)
-            return bf16_of_bytes(_mm_loadu_si128((const __m128i *)(row + run * RUN)),
-                                 _mm_loadu_si128((const __m128i *)(row + run * RUN + 16)), 0, zero);
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + run * RUN / 2)), nibble = _mm_set1_epi8(15);
-        return bf16_of_bytes(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), 0, zero);
-    }
-    const int64_t per_block = gguf_block_values(KIND);
-    __m128i q[2];
-    float scales[2], offsets[2];
-    gguf_run_bytes(KIND, row + run * RUN / per_block * gguf_block_bytes(KIND), (int)(run % (per_block / RUN)), q,
-                   scales, offsets);
-    *scale = scales[0];
-    /* Q4_0 and Q5_0 subtract a whole 8 or 16 from q, which bfloat16 holds: no offset left */
-    const float minus = KIND == KIND_Q4_0 ? 8.f : KIND == KIND_Q5_0 ? 16.f : 0.f;
-    *offset = has_offsets(KIND) ? offsets[0] : 0.f;
-    return bf16_of_bytes(q[0], q[1], KIND == KIND_Q8_0, _mm512_set1_ps(minus));
-}
-
-/* 16 rows of 16 32-bit lanes transposed in place. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-    }
-}
-
-/* Bytes of a weight row before run `run` (GGUF: before the block holding it). */
-static inline int64_t run_offset(const int KIND, int64_t run) {
-    switch (KIND) {
-    case KIND_BF16: return run * RUN * 2;
-    case KIND_INT4: return run * RUN / 2;
-    case KIND_INT8: case KIND_FP8: return run * RUN;
-    default: return run * RUN / gguf_block_values(KIND) * gguf_block_bytes(KIND);
-    }
-}
-
-/* Outputs n0 .. n0 + 15 for runs run0 .. run0 + runs as tiles [runs][16 pairs of K][16 outputs][2] (rows past n:
-   zeros), and each run's 16 scales and offsets. The next strip's rows are asked for meanwhile: sixteen rows read
-   a few bytes at a time are sixteen streams, more than the hardware prefetcher follows (int4 at 16 rows of x:
-   4 GB/s without). */
-static inline __attribute__((always_inline)) void pack_strip_tiles(const int KIND, const weights_t *w, int64_t n0,
-                                                                   int64_t run0, int64_t runs, uint16_t *tiles,
-                                                                   float *scales, float *offsets) {
-    const int64_t from = run_offset(KIND, run0), to = run_offset(KIND, run0 + runs + gguf_block_values(KIND) / RUN);
-    for (int64_t r = n0 + 16; r < n0 + 32 && r < w->n; r++)
-        for (int64_t b = from; b < to && b < w->row_bytes; b += 64)
-            _mm_prefetch((const char *)(w->data + r * w->row_bytes + b), _MM_HINT_T1);
-    for (int64_t i = 0; i < runs; i++) {
-        const int64_t g = scaled(KIND) ? (run0 + i) * RUN / w->group_size : 0; /* once a run, not once a row */
-        __m512i rows[16];
-        for (int j = 0; j < 16; j++) {
-            float scale = 0.f, offset = 0.f;
-            rows[j] = n0 + j < w->n ? weight_run(KIND, w, n0 + j, run0 + i, g, &scale, &offset)
-                                    : _mm512_setzero_si512();
-            scales[i * 16 + j] = scale, offsets[i * 16 + j] = offset;
-        }
-        transpose16(rows); /* row j held output j's 16 pairs; now row p holds pair p of the 16 outputs */
-        for (int p = 0; p < 16; p++) _mm512_store_si512(tiles + i * TILE + p * 32, rows[p]);
-    }
-}
-
-static void pack_strip_any(const weights_t *w, int64_t n0, int64_t run0, int64_t runs, uint16_t *tiles, float *scales,
-                           float *offsets) {
-    switch (w->kind) { /* constant kinds, so each run's extraction inlines */
-#define PACK(K) case K: pack_strip_tiles(K, w, n0, run0, runs, tiles, scales, offsets); break;
-    PACK(KIND_BF16) PACK(KIND_FP8) PACK(KIND_INT4) PACK(KIND_INT8) PACK(KIND_Q4_0) PACK(KIND_Q4_1) PACK(KIND_Q5_0)
-    PACK(KIND_Q5_1) PACK(KIND_Q8_0) PACK(KIND_Q4_K) PACK(KIND_Q5_K)
-#undef PACK
-    }
-}
+#include "amx_weight_tiles.h"
 
 /* x [m_total, k] as tiles [block of 16 rows][run][piece][16 rows][32] (zeros past m_total and k): piece 0 is x with
    its low 16 bits cleared, piece 1 the same of what is left, piece 2 the rest (at most 8 significant bits, exact).
@@ -244,11 +127,11 @@ static void split_rows(const float *x, int64_t m_total, int64_t k, int64_t runs,
 }
 
 /* The tile sums of one group of runs for one or two m-blocks (pieces a, the next block's at a + a_block) times one
-   or two strips (tiles b, the next strip's at b + b_strip), stored into t[2i + j]. */
+   or two strips (tiles b, the next strip's at b + b_strip), left in tiles 2i + j. Configured for halves, the same
+   loads read 16 values of K from each row of x's pieces and 8 pairs from the weights' tiles. */
 static inline __attribute__((always_inline)) void group_product(const uint16_t *a, int64_t a_block,
                                                                 const uint16_t *b, int64_t b_strip, int64_t runs,
-                                                                const int TWO_M, const int TWO_N,
-                                                                float t[4][16][16]) {
+                                                                const int TWO_M, const int TWO_N) {
     _tile_zero(0);
     if (TWO_N) _tile_zero(1);
     if (TWO_M) _tile_zero(2);
@@ -265,10 +148,13 @@ static inline __attribute__((always_inline)) void group_product(const uint16_t *
             if (TWO_M && TWO_N) _tile_dpbf16ps(3, 5, 7);
         }
     }
+}
+
+static inline void store_sums(int two_m, int two_n, float t[4][16][16]) {
     _tile_stored(0, t[0], 64);
-    if (TWO_N) _tile_stored(1, t[1], 64);
-    if (TWO_M) _tile_stored(2, t[2], 64);
-    if (TWO_M && TWO_N) _tile_stored(3, t[3], 64);
+    if (two_n) _tile_stored(1, t[1], 64);
+    if (two_m) _tile_stored(2, t[2], 64);
+    if (two_m && two_n) _tile_stored(3, t[3], 64);
 }
 
 /* acc[i][0..16) += t[i] * scales (+ sums[i * sum_stride] * offsets) for the 16 rows of one tile; scales NULL: the
@@ -290,6 +176,23 @@ static inline void add_tile(const float t[16][16], float *acc, int64_t acc_strid
     }
 }
 
+/* One group's stored tile sums, waiting to be scaled into acc while the next group's tile products run. */
+typedef struct {
+    int live, two_m, two_n;
+    float *acc;                       /* the first strip's first row */
+    const float *scales[2], *offsets[2]; /* per strip (scales NULL: unscaled) */
+    const float *sums;                /* the group's sums of x, or NULL */
+    int64_t sum_stride;
+} pending_t;
+
+static inline void add_pending(pending_t *q, const float t[4][16][16]) {
+    for (int j = 0; j < 1 + q->two_n; j++)
+        for (int i = 0; i < 1 + q->two_m; i++)
+            add_tile(t[2 * i + j], q->acc + i * 16 * NC + j * 16, NC, q->scales[j], q->offsets[j],
+                     q->sums ? q->sums + i * 16 * q->sum_stride : NULL, q->sum_stride);
+    q->live = 0;
+}
+
 typedef struct {
     const weights_t *w;
     const uint16_t *pieces; /* split_rows' tiles */
@@ -308,12 +211,14 @@ static void amx_task(const amx_product_t *p, int64_t n0, int64_t n1, uint16_t *t
     /* panels of whole groups, as even as they come: a short last panel would cost another pass over the output */
     const int64_t panels = (p->runs + RUNS_MAX / group * group - 1) / (RUNS_MAX / group * group);
     const int64_t panel = ((p->runs + panels - 1) / panels + group - 1) / group * group;
-    const int unscaled = w->kind == KIND_BF16;
-    _Alignas(64) float t[4][16][16];
+    const int unscaled = w->kind == KIND_BF16, halves = halves_of(w->kind);
+    _Alignas(64) float t[2][4][16][16]; /* one group's sums stored while the group before them is added */
+    int cur = 0;
+    pending_t pending = {0};
     for (int64_t run0 = 0; run0 < p->runs; run0 += panel) {
         const int64_t runs = p->runs - run0 < panel ? p->runs - run0 : panel;
         for (int64_t s = 0; s < strips; s++)
-            pack_strip_any(w, n0 + 16 * s, run0, runs, tiles + s * runs * TILE, scales + s * runs * 16,
+            pack_strip_any(w, n0 + 16 * s, run0, runs, tiles + s * runs * TILE, scales + s * runs * 32,
                            offsets + s * runs * 16);
         for (int64_t b = 0; b < blocks; b += 2) {
             const int two_m = b + 1 < blocks;
@@ -325,20 +230,24 @@ static void amx_task(const amx_product_t *p, int64_t n0, int64_t n1, uint16_t *t
                 const float *sums = p->sums ? p->sums + b * 16 * p->runs + run0 + g : NULL;
                 for (int64_t s = 0; s < strips; s += 2) {
                     const int two_n = s + 1 < strips;
-                    const uint16_t *bt = tiles + (s * runs + g) * TILE;
-                    if (two_m && two_n) group_product(a, a_block, bt, runs * TILE, g_runs, 1, 1, t);
-                    else if (two_m) group_product(a, a_block, bt, runs * TILE, g_runs, 1, 0, t);
-                    else if (two_n) group_product(a, a_block, bt, runs * TILE, g_runs, 0, 1, t);
-                    else group_product(a, a_block, bt, runs * TILE, g_runs, 0, 0, t);
-                    for (int j = 0; j < 1 + two_n; j++) {
-                        const float *sc = unscaled ? NULL : scales + ((s + j) * runs + g) * 16;
-                        const float *off = offsets + ((s + j) * runs + g) * 16;
-                        for (int i = 0; i < 1 + two_m; i++)
-                            add_tile(t[2 * i + j], acc + i * 16 * NC + (s + j) * 16, NC, sc, off,
-                                     sums ? sums + i * 16 * p->runs : NULL, p->runs);
+                    for (int h = 0; h < halves; h++) { /* half h: values 16h.. of x's runs, pairs 8h.. of tiles */
+                        const uint16_t *ah = a + 16 * h, *bt = tiles + (s * runs + g) * TILE + TILE / 2 * h;
+                        if (two_m && two_n) group_product(ah, a_block, bt, runs * TILE, g_runs, 1, 1);
+                        else if (two_m) group_product(ah, a_block, bt, runs * TILE, g_runs, 1, 0);
+                        else if (two_n) group_product(ah, a_block, bt, runs * TILE, g_runs, 0, 1);
+                        else group_product(ah, a_block, bt, runs * TILE, g_runs, 0, 0);
+                        if (pending.live) add_pending(&pending, t[cur ^ 1]); /* meanwhile, on the vector units */
+                        store_sums(two_m, two_n, t[cur]);
+                        pending = (pending_t){1, two_m, two_n, acc + s * 16, {NULL, NULL},
+                                              {offsets + (s * runs + g) * 16, offsets + ((s + 1) * runs + g) * 16},
+                                              sums, p->runs};
+                        for (int j = 0; j < 1 + two_n && !unscaled; j++)
+                            pending.scales[j] = scales + ((s + j) * runs + g) * 32 + 16 * h;
+                        cur ^= 1;
                     }
                 }
             }
+            if (pending.live) add_pending(&pending, t[cur ^ 1]);
             const int last = run0 + runs == p->runs;
             for (int64_t i = 0; i < 32 && b * 16 + i < p->m_total; i++) {
                 float *row = p->out + (b * 16 + i) * w->n + n0;
@@ -373,13 +282,13 @@ static int amx_gemm(const float *x, int64_t m_total, const weights_t *w, const f
     {
         const size_t strip_runs = (size_t)(NC / 16) * RUNS_MAX;
         uint16_t *tiles = aligned_alloc(64, sizeof(uint16_t) * strip_runs * TILE);
-        float *scratch = aligned_alloc(64, sizeof(float) * (strip_runs * 32 + 32 * NC));
+        float *scratch = aligned_alloc(64, sizeof(float) * (strip_runs * 48 + 32 * NC));
         if (!tiles || !scratch) failed = 1;
-        else configure_tiles();
+        else configure_tiles(halves_of(w->kind) == 2);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t n0 = t * per_task, n1 = n0 + per_task < w->n ? n0 + per_task : w->n;
-            if (!failed) amx_task(&p, n0, n1, tiles, scratch, scratch + strip_runs * 16, scratch + strip_runs * 32);
+            if (!failed) amx_task(&p, n0, n1, tiles, scratch, scratch + strip_runs * 32, scratch + strip_runs * 48);
         }
         if (tiles && scratch) _tile_release();
         free(tiles), free(scratch);

@@ -23,13 +23,15 @@
 /* How x's digits are ordered for the kernels that read them: in order (Q4_K .. Q6_K); `paired`, each 64 values as
    the legacy kinds' two blocks come out of one AVX2 register (values 16-31 and 32-47 trade places, as
    int4_position); `quad`, each 128 values as four blocks come out of one AVX-512 register (gguf_dot_vnni.h): values
-   0-15 of the four blocks, then their values 16-31. */
-enum { X_IN_ORDER, X_PAIRED, X_QUAD };
+   0-15 of the four blocks, then their values 16-31; `k-quad`, each 128 values as a Q4_K / Q5_K block's 64 bytes of
+   nibbles come out of two AVX-512 registers (gguf_dot_vnni.h): values 0-31, 64-95, then 32-63, 96-127. */
+enum { X_IN_ORDER, X_PAIRED, X_QUAD, X_KQUAD };
 
 /* Where the 16 values from h (a multiple of 16) go in a layout. */
 static inline int64_t x_position(int64_t h, int layout) {
     if (layout == X_PAIRED) return h / I4_CHUNK * I4_CHUNK + int4_position(h % I4_CHUNK);
     if (layout == X_QUAD) return h / 128 * 128 + (h % 32) / 16 * 64 + (h % 128) / 32 * 16;
+    if (layout == X_KQUAD) return h / 128 * 128 + (h % 64) / 32 * 64 + (h % 128) / 64 * 32 + h % 32;
     return h;
 }
 
@@ -59,7 +61,7 @@ static void gguf_round_block(const float *row, int64_t b, float extent, int layo
         const int64_t at = x_position(h, layout);
         for (int d = 0; d < I4_DIGITS; d++) store_bytes16(digits[0][d], digits[1][d], p->digits[d] + at);
         p->sum16[h / 16] = scale * (float)hsum_epi32(_mm256_add_epi32(v[0], v[1]));
-        if (layout != X_IN_ORDER) { /* position o of a chunk feeds lane (o % 32) / 4 (quad: (o % 64) / 4) */
+        if (layout == X_PAIRED || layout == X_QUAD) { /* position o of a chunk feeds lane (o % 32) / 4 (quad: (o % 64) / 4) */
             int32_t values[16];
             _mm256_storeu_si256((__m256i *)values, v[0]);
             _mm256_storeu_si256((__m256i *)(values + 8), v[1]);
@@ -338,9 +340,13 @@ static inline int64_t gguf_fixed_point_rows(int kind) {
 #include "gguf_dot_vnni.h"
 #define LEGACY_ROW legacy_row_vnni
 #define LEGACY_LAYOUT X_QUAD
+#define KQUANT_ROW kquant_row_vnni
+#define KQUANT_LAYOUT X_KQUAD
 #else
 #define LEGACY_ROW legacy_row
 #define LEGACY_LAYOUT X_PAIRED
+#define KQUANT_ROW kquant_row
+#define KQUANT_LAYOUT X_PAIRED
 #endif
 
 #define DEFINE_FIXED_ROWS(KIND, ROW)                                                                              \
@@ -354,9 +360,9 @@ DEFINE_FIXED_ROWS(KIND_Q4_0, LEGACY_ROW)
 DEFINE_FIXED_ROWS(KIND_Q4_1, LEGACY_ROW)
 DEFINE_FIXED_ROWS(KIND_Q5_0, LEGACY_ROW)
 DEFINE_FIXED_ROWS(KIND_Q5_1, LEGACY_ROW)
-DEFINE_FIXED_ROWS(KIND_Q4_K, kquant_row)
-DEFINE_FIXED_ROWS(KIND_Q5_K, kquant_row)
-DEFINE_FIXED_ROWS(KIND_Q6_K, kquant_row)
+DEFINE_FIXED_ROWS(KIND_Q4_K, KQUANT_ROW)
+DEFINE_FIXED_ROWS(KIND_Q5_K, KQUANT_ROW)
+DEFINE_FIXED_ROWS(KIND_Q6_K, KQUANT_ROW)
 
 typedef void (*fixed_rows_fn)(const weights_t *, int64_t, int64_t, const gguf_x_t *, const float *, float *);
 
@@ -366,7 +372,7 @@ typedef void (*fixed_rows_fn)(const weights_t *, int64_t, int64_t, const gguf_x_
 static int gguf_matmul_fixed_point(const weights_t *w, const float *x, int64_t m_total, const float *bias,
                                    float *out, int num_threads) {
     const int legacy = w->kind == KIND_Q4_0 || w->kind == KIND_Q4_1 || w->kind == KIND_Q5_0 || w->kind == KIND_Q5_1;
-    const int layout = w->kind == KIND_Q6_K ? X_IN_ORDER : legacy ? LEGACY_LAYOUT : X_PAIRED;
+    const int layout = w->kind == KIND_Q6_K ? X_IN_ORDER : legacy ? LEGACY_LAYOUT : KQUANT_LAYOUT;
     gguf_x_t *xp = calloc((size_t)m_total, sizeof(gguf_x_t));
     int failed = !xp;
     for (int64_t m = 0; m < m_total && !failed; m++)

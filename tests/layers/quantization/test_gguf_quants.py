@@ -144,7 +144,7 @@ def test_a_shard_of_whole_blocks_of_each_row_multiplies_in_place(qtype):
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=NAMES.get)
 def test_small_batch_kernel_and_gemm_each_match_at_every_row_count_they_may_serve(qtype, engine):
     """Both GEMM engines (AMX: 16-row blocks in pairs, an odd one, outputs in a partial second strip of a pair; Q6_K
-    stays on the FMA GEMM there), over K in one panel and (K of 1536 or 2048) in two."""
+    on AMX in halves of 16 values), over K in one panel and (K of 1536 or 2048) in two."""
     kind = gguf_quants.kernel_kind(qtype)
     with gemm_engine(engine):
         for k in (512 if _block_values(qtype) == 256 else 224, 2048 if _block_values(qtype) == 256 else 1536):
@@ -154,6 +154,21 @@ def test_small_batch_kernel_and_gemm_each_match_at_every_row_count_they_may_serv
                 expected = x.double().numpy() @ weight.T
                 _assert_close_to(cpu_matmul.matmul(x, data, kind, 21), expected, f"small batch, {m} rows")
                 _assert_close_to(cpu_matmul.narrow_gemm(x, data, kind, 21), expected, f"GEMM, {m} rows")
+
+
+def test_amx_gemm_runs_for_every_quantized_type_in_its_own_order_and_matches():
+    """Each quantized type the AMX GEMM reads (Q6_K: each half of a run of 32 a tile product under its own scale)
+    gives bits of its own there, not the FMA GEMM's, and both stay within float32's error of gguf-py."""
+    for qtype in QUANTIZED:
+        k = 512 if _block_values(qtype) == 256 else 224
+        data, weight = _rows(qtype, 40, k, seed=7)
+        x = torch.randn(40, k, generator=torch.Generator().manual_seed(1))
+        products = {}
+        for engine in ("FMA", "AMX"):
+            with gemm_engine(engine):
+                products[engine] = cpu_matmul.narrow_gemm(x, data, gguf_quants.kernel_kind(qtype), 40)
+            _assert_close_to(products[engine], x.double().numpy() @ weight.T, f"{NAMES[qtype]} on {engine}")
+        assert not torch.equal(products["FMA"], products["AMX"]), f"{NAMES[qtype]}: AMX gave the FMA GEMM's bits"
 
 
 @pytest.mark.parametrize("qtype", (Q4_0, Q4_K, Q6_K), ids=NAMES.get)
