@@ -14,11 +14,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from strata.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).with_name("csrc")
 # -march=native: a library is built on, and cached for, the machine that runs it.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# STRATA_KERNEL_MARCH builds for an x86-64 level instead (e.g. the AVX2 kernels measured on an AVX-512 machine), each
+# with the CPU flags it needs to run here.
+_MARCH_NEEDS = {"native": set(),
+                "x86-64-v2": {"sse4_2", "popcnt"},
+                "x86-64-v3": {"avx2", "fma", "f16c", "bmi2", "movbe"},
+                "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}}
 
 
 def cache_dir() -> Path:
@@ -34,10 +42,27 @@ def _cpu_signature() -> str:
         return ""
 
 
+def compiler_flags() -> list[str]:
+    """The flags the C libraries are built with: -march=native, or STRATA_KERNEL_MARCH's x86-64 level (refused with
+    ConfigError where it is unknown or this CPU cannot run it)."""
+    march = os.environ.get("STRATA_KERNEL_MARCH", "native")
+    if march == "native":
+        return _FLAGS
+    if march not in _MARCH_NEEDS:
+        raise ConfigError(f"STRATA_KERNEL_MARCH={march!r}: expected one of {', '.join(_MARCH_NEEDS)}")
+    lacking = sorted(_MARCH_NEEDS[march] - set(_cpu_signature().split()))
+    if platform.machine() not in ("x86_64", "AMD64"):
+        lacking = [f"x86-64 (this is {platform.machine()})"]
+    if lacking:
+        raise ConfigError(f"STRATA_KERNEL_MARCH={march}: this CPU cannot run it (lacks {', '.join(lacking)})")
+    return [flag if not flag.startswith("-march=") else f"-march={march}" for flag in _FLAGS]
+
+
 def _build(name: str, compiler: str) -> Path:
     source = _SOURCES / f"{name}.c"
     headers = [h.read_bytes() for h in sorted(_SOURCES.glob("*.h"))]
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join([compiler, *_FLAGS]).encode(),
+    flags = compiler_flags()
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join([compiler, *flags]).encode(),
                                      platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.exists():
@@ -47,7 +72,7 @@ def _build(name: str, compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, target)
     finally:

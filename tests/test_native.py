@@ -1,11 +1,14 @@
-"""Without a C compiler strata warns and runs its plain-torch paths, which give the same tokens."""
+"""Without a C compiler strata warns and runs its plain-torch paths, which give the same tokens; STRATA_KERNEL_MARCH
+builds for a named x86-64 level, or is refused."""
 from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from strata import LLM, SamplingParams, native
+from strata.errors import ConfigError
 from strata.layers import cpu_attention, onednn_weights
 from strata.layers.quantization import cpu_matmul
 
@@ -43,3 +46,31 @@ def test_plain_torch_paths_give_the_tokens_of_the_cpu_kernels(llama_gqa, monkeyp
     calls.clear()
     assert tokens() == with_kernels
     assert not calls
+
+
+def test_kernel_march_builds_for_an_x86_64_level_in_its_own_cache_file(monkeypatch, tmp_path):
+    if native.platform.machine() != "x86_64" or not {"avx2", "fma", "f16c", "bmi2", "movbe"} <= set(
+            native._cpu_signature().split()):
+        pytest.skip("needs an x86-64-v3 CPU")
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        assert native.load("rms_norm") is not None
+        monkeypatch.setenv("STRATA_KERNEL_MARCH", "x86-64-v3")
+        assert "-march=x86-64-v3" in native.compiler_flags()
+        native.load.cache_clear()
+        assert native.load("rms_norm") is not None
+        assert len(list((tmp_path / "kernels").glob("rms_norm-*.so"))) == 2  # native's and x86-64-v3's, side by side
+    finally:
+        native.load.cache_clear()
+
+
+def test_kernel_march_refuses_unknown_levels_and_levels_this_cpu_cannot_run(monkeypatch):
+    monkeypatch.setenv("STRATA_KERNEL_MARCH", "skylake")
+    with pytest.raises(ConfigError, match="expected one of native, x86-64-v2, x86-64-v3, x86-64-v4"):
+        native.compiler_flags()
+    monkeypatch.setenv("STRATA_KERNEL_MARCH", "x86-64-v4")
+    monkeypatch.setattr(native, "_cpu_signature", lambda: "flags : fpu sse4_2 avx2 fma")
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    with pytest.raises(ConfigError, match="cannot run it .lacks avx512bw, avx512cd"):
+        native.compiler_flags()

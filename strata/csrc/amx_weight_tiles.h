@@ -96,9 +96,9 @@ static inline int64_t run_offset(const int KIND, int64_t run) {
 }
 
 /* Outputs n0 .. n0 + 15 for runs run0 .. run0 + runs as tiles [runs][16 pairs of K][16 outputs][2] (rows past n:
-   zeros), and each run's scales [2 halves][16] and 16 offsets. The next strip's rows are asked for meanwhile: sixteen rows read
-   a few bytes at a time are sixteen streams, more than the hardware prefetcher follows (int4 at 16 rows of x:
-   4 GB/s without). */
+   zeros), and each run's scales [2 halves][16] and 16 offsets. The next strip's rows are asked for meanwhile:
+   sixteen rows read a few bytes at a time are sixteen streams, more than the hardware prefetcher follows (int4 at
+   16 rows of x: 4 GB/s without). */
 static inline __attribute__((always_inline)) void pack_strip_tiles(const int KIND, const weights_t *w, int64_t n0,
                                                                    int64_t run0, int64_t runs, uint16_t *tiles,
                                                                    float *scales, float *offsets) {

@@ -1,12 +1,12 @@
 /* weight_gemm on AMX tiles (Intel Sapphire Rapids and later), for weights whose values are exact in bfloat16 once
    their scales and offsets are set aside: bfloat16, FP8, int4 / int8 with integral zero points, and GGUF Q4_0,
-   Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. x stays float32: each value is cut into three bfloat16 pieces whose sum is
-   exactly that value (8 + 8 + 8 significant bits), so every product of a piece by a weight value is exact and the
-   tiles sum them in float32 as an FMA GEMM sums its products. A group of values that share a scale (a GGUF run of
-   32 or Q6_K's 16, an int4 / int8 group, four runs of an unscaled or per-channel kind) is summed in the tiles, then
-   scaled (and
-   its offset times the group's sum of x added) in float32 with AVX-512. One tile product costs as much as sixteen
-   AVX-512 FMAs and does 512 of them, so three pieces still leave a few times float32's rate. */
+   Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. x stays float32: each value is cut into three bfloat16 pieces whose
+   sum is exactly that value (8 + 8 + 8 significant bits), so every product of a piece by a weight value is exact
+   and the tiles sum them in float32 as an FMA GEMM sums its products. A group of values that share a scale (a GGUF
+   run of 32 or Q6_K's 16, an int4 / int8 group, four runs of an unscaled or per-channel kind) is summed in the
+   tiles, then scaled (and its offset times the group's sum of x added) in float32 with AVX-512, while the next
+   group's tile products run. One tile product costs as much as sixteen AVX-512 FMAs and does 512 of them, so three
+   pieces still leave a few times float32's rate. */
 #ifndef STRATA_GEMM_AMX_H
 #define STRATA_GEMM_AMX_H
 

@@ -20,7 +20,7 @@
 #endif
 #define FIXED_POINT_MAX_ROWS 8
 
-/* How x's digits are ordered for the kernels that read them: in order (Q4_K .. Q6_K); `paired`, each 64 values as
+/* How x's digits are ordered for the kernels that read them: in order (Q6_K); `paired`, each 64 values as
    the legacy kinds' two blocks come out of one AVX2 register (values 16-31 and 32-47 trade places, as
    int4_position); `quad`, each 128 values as four blocks come out of one AVX-512 register (gguf_dot_vnni.h): values
    0-15 of the four blocks, then their values 16-31; `k-quad`, each 128 values as a Q4_K / Q5_K block's 64 bytes of
@@ -61,7 +61,7 @@ static void gguf_round_block(const float *row, int64_t b, float extent, int layo
         const int64_t at = x_position(h, layout);
         for (int d = 0; d < I4_DIGITS; d++) store_bytes16(digits[0][d], digits[1][d], p->digits[d] + at);
         p->sum16[h / 16] = scale * (float)hsum_epi32(_mm256_add_epi32(v[0], v[1]));
-        if (layout == X_PAIRED || layout == X_QUAD) { /* position o of a chunk feeds lane (o % 32) / 4 (quad: (o % 64) / 4) */
+        if (layout == X_PAIRED || layout == X_QUAD) { /* position o feeds lane (o % 32) / 4 (quad: (o % 64) / 4) */
             int32_t values[16];
             _mm256_storeu_si256((__m256i *)values, v[0]);
             _mm256_storeu_si256((__m256i *)(values + 8), v[1]);

@@ -107,9 +107,9 @@ static inline __attribute__((always_inline)) __m512 q45k_block_vnni(const uint8_
         if (KIND == KIND_Q5_K) { /* sub-block j's fifth bits are bits j of qh: 4h, 4h + 2 low; 4h + 1, 4h + 3 high */
             const __m512i first = _mm512_set1_epi16((short)(4 * h)), second = _mm512_set1_epi16((short)(4 * h + 2));
             const __m512i shift = _mm512_inserti64x4(first, _mm512_castsi512_si256(second), 1);
+            const __m512i next = _mm512_add_epi16(shift, _mm512_set1_epi16(1));
             const __m512i lo_bits = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), bit);
-            const __m512i hi_bits = _mm512_and_si512(_mm512_srlv_epi16(qh, _mm512_add_epi16(shift, _mm512_set1_epi16(1))),
-                                                     bit);
+            const __m512i hi_bits = _mm512_and_si512(_mm512_srlv_epi16(qh, next), bit);
             low = _mm512_or_si512(low, _mm512_slli_epi16(lo_bits, 4));
             high = _mm512_or_si512(high, _mm512_slli_epi16(hi_bits, 4));
         }
