@@ -35,11 +35,13 @@ static void softmax_rows(float *scores, int64_t n, int64_t num_q, float softcap,
     }
 }
 
-/* Heads of up to this many dimensions (a multiple of 16) take the AVX-512 loops below, where there are. */
+/* Heads of up to this many dimensions (a multiple of WIDE_LANES) take the AVX-512 or AVX2 loops below, where
+   there are. */
 #define WIDE_HEAD_DIM 128
 #if defined(__AVX512F__) && !defined(STRATA_PORTABLE)
 #include <immintrin.h>
 #define WIDE_ATTENTION 1
+#define WIDE_LANES 16
 
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_bf16(const bf16 *p) {
@@ -60,22 +62,40 @@ static inline __m512 sum16(const __m512 v[16]) {
         y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
     return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
 }
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(STRATA_PORTABLE)
+#include <immintrin.h>
+#define WIDE_ATTENTION 1
+#define WIDE_LANES 8
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* 8 registers' lane sums as one register, lane i the sum of v[i]: 8 dot products reduced together. */
+static inline __m256 sum8(const __m256 v[8]) {
+    const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
 #else
 #define WIDE_ATTENTION 0
+#define WIDE_LANES 16
 #endif
 
 /* One sequence's KV heads [h0, h0 + num_kv) and their query heads attend keys [lo, hi). Whole token rows
    (all those heads at once) are read in cache order: a row per head would jump a page per token and leave
    the hardware prefetcher idle. `scores` holds num_kv * group * (hi - lo) floats; q and out are float32.
-   With AVX-512 and heads of at most WIDE_HEAD_DIM dimensions, scores come 16 tokens at a time (their dot products
-   reduced together) and each head's output stays in registers over the tokens. */
+   With AVX-512 (AVX2) and heads of at most WIDE_HEAD_DIM dimensions, scores come 16 (8) tokens at a time (their dot
+   products reduced together) and each head's output stays in registers over the tokens (AVX2: 64 dimensions a
+   pass). */
 #define DEFINE_ATTEND(NAME, T, LOAD)                                                                          \
     static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t lo,     \
                      int64_t hi, int64_t num_kv, int64_t group, int64_t head_dim, int64_t block_size,          \
                      int64_t block_stride, int64_t token_stride, float scale, float softcap,                  \
                      const float *sinks, float *scores, float *out) {                                         \
         const int64_t n = hi - lo, num_q = num_kv * group;                                                    \
-        const int wide = WIDE_ATTENTION && head_dim % 16 == 0 && head_dim <= WIDE_HEAD_DIM;                   \
+        const int wide = WIDE_ATTENTION && head_dim % WIDE_LANES == 0 && head_dim <= WIDE_HEAD_DIM;           \
         if (wide)                                                                                             \
             NAME##_scores(q, k_cache, table, lo, hi, num_q, group, head_dim, block_size, block_stride,        \
                           token_stride, scale, scores);                                                       \
@@ -109,7 +129,7 @@ static inline __m512 sum16(const __m512 v[16]) {
         }                                                                                                     \
     }
 
-#if WIDE_ATTENTION
+#if WIDE_ATTENTION && WIDE_LANES == 16
 /* The AVX-512 score and value loops of DEFINE_ATTEND: rows of 16 tokens' keys found once a tile for all heads. */
 #define DEFINE_WIDE(NAME, T, LOAD16)                                                                          \
     static void NAME##_scores(const float *q, const T *k_cache, const int32_t *table, int64_t lo, int64_t hi,  \
@@ -161,6 +181,70 @@ static inline __m512 sum16(const __m512 v[16]) {
     }
 DEFINE_WIDE(attend_f32, float, load16_f32)
 DEFINE_WIDE(attend_bf16, bf16, load16_bf16)
+#elif WIDE_ATTENTION
+/* The AVX2 score and value loops of DEFINE_ATTEND: 8 tokens' dot products reduced together; values in passes of
+   64 dimensions, whose 8 sums stay in registers (AVX2 has 16) over the tokens. */
+#define DEFINE_WIDE(NAME, T, LOAD8)                                                                           \
+    static void NAME##_scores(const float *q, const T *k_cache, const int32_t *table, int64_t lo, int64_t hi,  \
+                              int64_t num_q, int64_t group, int64_t head_dim, int64_t block_size,             \
+                              int64_t block_stride, int64_t token_stride, float scale, float *scores) {       \
+        const int64_t n = hi - lo, chunks = head_dim / 8;                                                     \
+        for (int64_t t0 = lo; t0 < hi; t0 += 8) {                                                             \
+            const int count = hi - t0 < 8 ? (int)(hi - t0) : 8;                                               \
+            const T *rows[8];                                                                                 \
+            for (int s = 0; s < 8; s++)                                                                       \
+                rows[s] = t0 + s < hi ? k_cache + table[(t0 + s) / block_size] * block_stride +               \
+                                            ((t0 + s) % block_size) * token_stride                            \
+                                      : NULL;                                                                 \
+            for (int64_t j = 0; j < num_q; j++) {                                                             \
+                const float *qj = q + j * head_dim;                                                           \
+                const int64_t head = (j / group) * head_dim;                                                  \
+                __m256 acc[8];                                                                                \
+                for (int s = 0; s < 8; s++) {                                                                 \
+                    acc[s] = _mm256_setzero_ps();                                                             \
+                    if (rows[s])                                                                              \
+                        for (int64_t c = 0; c < chunks; c++)                                                  \
+                            acc[s] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * c), LOAD8(rows[s] + head + 8 * c), \
+                                                     acc[s]);                                                 \
+                }                                                                                             \
+                float lanes[8];                                                                               \
+                _mm256_storeu_ps(lanes, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));                     \
+                memcpy(scores + j * n + t0 - lo, lanes, sizeof(float) * (size_t)count);                       \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    static void NAME##_values(const T *v_cache, const int32_t *table, int64_t lo, int64_t hi, int64_t num_q,   \
+                              int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,      \
+                              int64_t token_stride, const float *scores, float *out) {                        \
+        const int64_t n = hi - lo, chunks = head_dim / 8;                                                     \
+        for (int64_t j = 0; j < num_q; j++) {                                                                 \
+            const float *p = scores + j * n;                                                                  \
+            for (int64_t c0 = 0; c0 < chunks; c0 += 8) {                                                      \
+                const int64_t head = (j / group) * head_dim + 8 * c0;                                         \
+                __m256 o[8];                                                                                  \
+                for (int c = 0; c < 8; c++) o[c] = _mm256_setzero_ps();                                       \
+                if (chunks - c0 >= 8)                                                                         \
+                    for (int64_t t = lo; t < hi; t++) {                                                       \
+                        const T *v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride \
+                                     + head;                                                                  \
+                        const __m256 weight = _mm256_set1_ps(p[t - lo]);                                      \
+                        for (int c = 0; c < 8; c++) o[c] = _mm256_fmadd_ps(weight, LOAD8(v + 8 * c), o[c]);   \
+                    }                                                                                         \
+                else                                                                                          \
+                    for (int64_t t = lo; t < hi; t++) {                                                       \
+                        const T *v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride \
+                                     + head;                                                                  \
+                        const __m256 weight = _mm256_set1_ps(p[t - lo]);                                      \
+                        for (int c = 0; c < chunks - c0; c++)                                                 \
+                            o[c] = _mm256_fmadd_ps(weight, LOAD8(v + 8 * c), o[c]);                           \
+                    }                                                                                         \
+                for (int c = 0; c < 8 && c0 + c < chunks; c++)                                                \
+                    _mm256_storeu_ps(out + j * head_dim + 8 * (c0 + c), o[c]);                                \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+DEFINE_WIDE(attend_f32, float, load8_f32)
+DEFINE_WIDE(attend_bf16, bf16, load8_bf16)
 #else /* `wide` is 0: never called */
 #define attend_f32_scores(...) ((void)0)
 #define attend_f32_values(...) ((void)0)

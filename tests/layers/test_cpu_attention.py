@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from strata import native
 from strata.layers import cpu_attention
 from strata.layers.attention import Attention, AttentionMetadata
 
@@ -58,6 +59,40 @@ def test_kernel_equals_attention_over_the_listed_keys(num_heads, num_kv_heads, b
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], block_size)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(None, None), 0.3)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def avx2_build(monkeypatch):
+    """The kernel built for x86-64-v3 (AVX2 and FMA, no AVX-512) inside the test: its 8-token loops."""
+    if not {"avx2", "fma", "f16c", "bmi2", "movbe"} <= set(native._cpu_signature().split()):
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
+    monkeypatch.setenv("STRATA_KERNEL_MARCH", "x86-64-v3")
+    native.load.cache_clear()
+    cpu_attention._library.cache_clear()
+    yield
+    monkeypatch.delenv("STRATA_KERNEL_MARCH")
+    native.load.cache_clear()
+    cpu_attention._library.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_build_equals_attention_over_the_listed_keys(avx2_build, dtype):
+    """AVX2's loops: 8-token tiles (a partial last one), values in passes of 64 dimensions (72: a pass of 8 sums
+    and one of 1), heads of 24 and 128; 20 and 144 take the plain loops."""
+    seq_lens = [1, 7, 8, 9, 40, 3]
+    for head_dim in (24, 64, 72, 128, 20, 144):
+        q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 8, 2, head_dim, 5, seed=head_dim)
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], 5)
+        ranges = meta.decode_key_ranges(None, None)
+        if dtype == torch.float32:
+            out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *ranges, 0.3)
+            expected = reference(q, k_cache, v_cache, tables, lens, 0.3)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=lambda e: f"{head_dim}: {e}")
+        else:  # a bfloat16 cache under float32 queries
+            k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+            out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *ranges, 0.3)
+            expected = reference(q, k_cache, v_cache, tables, lens, 0.3)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=lambda e: f"{head_dim}: {e}")
 
 
 @pytest.mark.parametrize("window,chunk", [(5, None), (None, 8), (12, 8)])
