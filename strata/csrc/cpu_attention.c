@@ -36,21 +36,31 @@ static void softmax_rows(float *scores, int64_t n, int64_t num_q, float softcap,
 }
 
 /* Heads of up to this many dimensions (a multiple of WIDE_LANES) take the AVX-512 or AVX2 loops below, where
-   there are. */
+   there are, written once over the vector vocabulary each defines. */
 #define WIDE_HEAD_DIM 128
+#define WIDE_PASS 8 /* vectors of one head's output kept in registers over the tokens: a pass of the value loop */
 #if defined(__AVX512F__) && !defined(STRATA_PORTABLE)
 #include <immintrin.h>
 #define WIDE_ATTENTION 1
 #define WIDE_LANES 16
+#define WIDE_CHAINS 2 /* even and odd tokens' output sums: twice the chains of FMAs */
+typedef __m512 wide_t;
+#define wide_zero _mm512_setzero_ps
+#define wide_loadu _mm512_loadu_ps
+#define wide_storeu _mm512_storeu_ps
+#define wide_set1 _mm512_set1_ps
+#define wide_add _mm512_add_ps
+#define wide_mul _mm512_mul_ps
+#define wide_fmadd _mm512_fmadd_ps
+#define WIDE_SLOT(s) (((s) % 4) * 4 + (s) / 4) /* the tile's token whose dot product wide_sum puts in lane s */
 
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_bf16(const bf16 *p) {
+static inline wide_t wide_load_bf16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 /* 16 registers' lane sums as one register, lane i the sum of v[(i % 4) * 4 + i / 4]: 16 dot products reduced
    together in 45 shuffles and adds, where one at a time would take 8 each. */
-static inline __m512 sum16(const __m512 v[16]) {
+static inline wide_t wide_sum(const wide_t v[16]) {
     __m512 w[8], x[4], y[2];
     for (int i = 0; i < 8; i++)
         w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
@@ -66,14 +76,23 @@ static inline __m512 sum16(const __m512 v[16]) {
 #include <immintrin.h>
 #define WIDE_ATTENTION 1
 #define WIDE_LANES 8
+#define WIDE_CHAINS 1 /* WIDE_PASS sums already fill half of AVX2's 16 registers */
+typedef __m256 wide_t;
+#define wide_zero _mm256_setzero_ps
+#define wide_loadu _mm256_loadu_ps
+#define wide_storeu _mm256_storeu_ps
+#define wide_set1 _mm256_set1_ps
+#define wide_add _mm256_add_ps
+#define wide_mul _mm256_mul_ps
+#define wide_fmadd _mm256_fmadd_ps
+#define WIDE_SLOT(s) (s)
 
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8_bf16(const bf16 *p) {
+static inline wide_t wide_load_bf16(const bf16 *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
 /* 8 registers' lane sums as one register, lane i the sum of v[i]: 8 dot products reduced together. */
-static inline __m256 sum8(const __m256 v[8]) {
+static inline wide_t wide_sum(const wide_t v[8]) {
     const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
@@ -87,8 +106,7 @@ static inline __m256 sum8(const __m256 v[8]) {
    (all those heads at once) are read in cache order: a row per head would jump a page per token and leave
    the hardware prefetcher idle. `scores` holds num_kv * group * (hi - lo) floats; q and out are float32.
    With AVX-512 (AVX2) and heads of at most WIDE_HEAD_DIM dimensions, scores come 16 (8) tokens at a time (their dot
-   products reduced together) and each head's output stays in registers over the tokens (AVX2: 64 dimensions a
-   pass). */
+   products reduced together) and each head's output stays in registers over the tokens, WIDE_PASS vectors a pass. */
 #define DEFINE_ATTEND(NAME, T, LOAD)                                                                          \
     static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t lo,     \
                      int64_t hi, int64_t num_kv, int64_t group, int64_t head_dim, int64_t block_size,          \
@@ -129,86 +147,34 @@ static inline __m256 sum8(const __m256 v[8]) {
         }                                                                                                     \
     }
 
-#if WIDE_ATTENTION && WIDE_LANES == 16
-/* The AVX-512 score and value loops of DEFINE_ATTEND: rows of 16 tokens' keys found once a tile for all heads. */
-#define DEFINE_WIDE(NAME, T, LOAD16)                                                                          \
+#if WIDE_ATTENTION
+/* The vector score and value loops of DEFINE_ATTEND: a tile of WIDE_LANES tokens' key rows found once for all heads. */
+#define DEFINE_WIDE(NAME, T, LOADW)                                                                           \
     static void NAME##_scores(const float *q, const T *k_cache, const int32_t *table, int64_t lo, int64_t hi,  \
                               int64_t num_q, int64_t group, int64_t head_dim, int64_t block_size,             \
                               int64_t block_stride, int64_t token_stride, float scale, float *scores) {       \
-        const int64_t n = hi - lo, chunks = head_dim / 16;                                                    \
-        for (int64_t t0 = lo; t0 < hi; t0 += 16) {                                                            \
-            const int count = hi - t0 < 16 ? (int)(hi - t0) : 16;                                             \
-            const T *rows[16];                                                                                \
-            for (int s = 0; s < 16; s++) { /* slot s holds token (s % 4) * 4 + s / 4 of the tile (sum16) */   \
-                const int64_t t = t0 + (s % 4) * 4 + s / 4;                                                   \
+        const int64_t n = hi - lo, chunks = head_dim / WIDE_LANES;                                            \
+        for (int64_t t0 = lo; t0 < hi; t0 += WIDE_LANES) {                                                    \
+            const int count = hi - t0 < WIDE_LANES ? (int)(hi - t0) : WIDE_LANES;                             \
+            const T *rows[WIDE_LANES];                                                                        \
+            for (int s = 0; s < WIDE_LANES; s++) {                                                            \
+                const int64_t t = t0 + WIDE_SLOT(s);                                                          \
                 rows[s] = t < hi ? k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride \
                                  : NULL;                                                                      \
             }                                                                                                 \
             for (int64_t j = 0; j < num_q; j++) {                                                             \
                 const float *qj = q + j * head_dim;                                                           \
                 const int64_t head = (j / group) * head_dim;                                                  \
-                __m512 acc[16];                                                                               \
-                for (int s = 0; s < 16; s++) {                                                                \
-                    acc[s] = _mm512_setzero_ps();                                                             \
+                wide_t acc[WIDE_LANES];                                                                       \
+                for (int s = 0; s < WIDE_LANES; s++) {                                                        \
+                    acc[s] = wide_zero();                                                                     \
                     if (rows[s])                                                                              \
                         for (int64_t c = 0; c < chunks; c++)                                                  \
-                            acc[s] = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), LOAD16(rows[s] + head + 16 * c), \
-                                                     acc[s]);                                                 \
+                            acc[s] = wide_fmadd(wide_loadu(qj + WIDE_LANES * c),                              \
+                                                LOADW(rows[s] + head + WIDE_LANES * c), acc[s]);              \
                 }                                                                                             \
-                _mm512_mask_storeu_ps(scores + j * n + t0 - lo, (__mmask16)((1u << count) - 1),               \
-                                      _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));                      \
-            }                                                                                                 \
-        }                                                                                                     \
-    }                                                                                                         \
-    static void NAME##_values(const T *v_cache, const int32_t *table, int64_t lo, int64_t hi, int64_t num_q,   \
-                              int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,      \
-                              int64_t token_stride, const float *scores, float *out) {                        \
-        const int64_t n = hi - lo, chunks = head_dim / 16;                                                    \
-        for (int64_t j = 0; j < num_q; j++) {                                                                 \
-            const float *p = scores + j * n;                                                                  \
-            const int64_t head = (j / group) * head_dim;                                                      \
-            __m512 o[2][WIDE_HEAD_DIM / 16]; /* even and odd tokens: twice the chains of FMAs */              \
-            for (int64_t c = 0; c < chunks; c++) o[0][c] = o[1][c] = _mm512_setzero_ps();                     \
-            for (int64_t t = lo; t < hi; t++) {                                                               \
-                const T *v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + head; \
-                const __m512 weight = _mm512_set1_ps(p[t - lo]);                                              \
-                for (int64_t c = 0; c < chunks; c++)                                                          \
-                    o[t & 1][c] = _mm512_fmadd_ps(weight, LOAD16(v + 16 * c), o[t & 1][c]);                   \
-            }                                                                                                 \
-            for (int64_t c = 0; c < chunks; c++)                                                              \
-                _mm512_storeu_ps(out + j * head_dim + 16 * c, _mm512_add_ps(o[0][c], o[1][c]));               \
-        }                                                                                                     \
-    }
-DEFINE_WIDE(attend_f32, float, load16_f32)
-DEFINE_WIDE(attend_bf16, bf16, load16_bf16)
-#elif WIDE_ATTENTION
-/* The AVX2 score and value loops of DEFINE_ATTEND: 8 tokens' dot products reduced together; values in passes of
-   64 dimensions, whose 8 sums stay in registers (AVX2 has 16) over the tokens. */
-#define DEFINE_WIDE(NAME, T, LOAD8)                                                                           \
-    static void NAME##_scores(const float *q, const T *k_cache, const int32_t *table, int64_t lo, int64_t hi,  \
-                              int64_t num_q, int64_t group, int64_t head_dim, int64_t block_size,             \
-                              int64_t block_stride, int64_t token_stride, float scale, float *scores) {       \
-        const int64_t n = hi - lo, chunks = head_dim / 8;                                                     \
-        for (int64_t t0 = lo; t0 < hi; t0 += 8) {                                                             \
-            const int count = hi - t0 < 8 ? (int)(hi - t0) : 8;                                               \
-            const T *rows[8];                                                                                 \
-            for (int s = 0; s < 8; s++)                                                                       \
-                rows[s] = t0 + s < hi ? k_cache + table[(t0 + s) / block_size] * block_stride +               \
-                                            ((t0 + s) % block_size) * token_stride                            \
-                                      : NULL;                                                                 \
-            for (int64_t j = 0; j < num_q; j++) {                                                             \
-                const float *qj = q + j * head_dim;                                                           \
-                const int64_t head = (j / group) * head_dim;                                                  \
-                __m256 acc[8];                                                                                \
-                for (int s = 0; s < 8; s++) {                                                                 \
-                    acc[s] = _mm256_setzero_ps();                                                             \
-                    if (rows[s])                                                                              \
-                        for (int64_t c = 0; c < chunks; c++)                                                  \
-                            acc[s] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * c), LOAD8(rows[s] + head + 8 * c), \
-                                                     acc[s]);                                                 \
-                }                                                                                             \
-                float lanes[8];                                                                               \
-                _mm256_storeu_ps(lanes, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));                     \
+                float lanes[WIDE_LANES];                                                                      \
+                wide_storeu(lanes, wide_mul(wide_sum(acc), wide_set1(scale)));                                \
                 memcpy(scores + j * n + t0 - lo, lanes, sizeof(float) * (size_t)count);                       \
             }                                                                                                 \
         }                                                                                                     \
@@ -216,35 +182,32 @@ DEFINE_WIDE(attend_bf16, bf16, load16_bf16)
     static void NAME##_values(const T *v_cache, const int32_t *table, int64_t lo, int64_t hi, int64_t num_q,   \
                               int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,      \
                               int64_t token_stride, const float *scores, float *out) {                        \
-        const int64_t n = hi - lo, chunks = head_dim / 8;                                                     \
+        const int64_t n = hi - lo, chunks = head_dim / WIDE_LANES;                                            \
         for (int64_t j = 0; j < num_q; j++) {                                                                 \
             const float *p = scores + j * n;                                                                  \
-            for (int64_t c0 = 0; c0 < chunks; c0 += 8) {                                                      \
-                const int64_t head = (j / group) * head_dim + 8 * c0;                                         \
-                __m256 o[8];                                                                                  \
-                for (int c = 0; c < 8; c++) o[c] = _mm256_setzero_ps();                                       \
-                if (chunks - c0 >= 8)                                                                         \
-                    for (int64_t t = lo; t < hi; t++) {                                                       \
-                        const T *v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride \
-                                     + head;                                                                  \
-                        const __m256 weight = _mm256_set1_ps(p[t - lo]);                                      \
-                        for (int c = 0; c < 8; c++) o[c] = _mm256_fmadd_ps(weight, LOAD8(v + 8 * c), o[c]);   \
-                    }                                                                                         \
-                else                                                                                          \
-                    for (int64_t t = lo; t < hi; t++) {                                                       \
-                        const T *v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride \
-                                     + head;                                                                  \
-                        const __m256 weight = _mm256_set1_ps(p[t - lo]);                                      \
-                        for (int c = 0; c < chunks - c0; c++)                                                 \
-                            o[c] = _mm256_fmadd_ps(weight, LOAD8(v + 8 * c), o[c]);                           \
-                    }                                                                                         \
-                for (int c = 0; c < 8 && c0 + c < chunks; c++)                                                \
-                    _mm256_storeu_ps(out + j * head_dim + 8 * (c0 + c), o[c]);                                \
+            for (int64_t c0 = 0; c0 < chunks; c0 += WIDE_PASS) {                                              \
+                const int64_t head = (j / group) * head_dim + WIDE_LANES * c0;                                \
+                const int pass = chunks - c0 < WIDE_PASS ? (int)(chunks - c0) : WIDE_PASS;                    \
+                wide_t o[WIDE_CHAINS][WIDE_PASS];                                                             \
+                for (int k = 0; k < WIDE_CHAINS; k++)                                                         \
+                    for (int c = 0; c < WIDE_PASS; c++) o[k][c] = wide_zero();                                \
+                for (int64_t t = lo; t < hi; t++) {                                                           \
+                    const T *v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride \
+                                 + head;                                                                      \
+                    const wide_t weight = wide_set1(p[t - lo]);                                               \
+                    for (int c = 0; c < pass; c++)                                                            \
+                        o[t % WIDE_CHAINS][c] = wide_fmadd(weight, LOADW(v + WIDE_LANES * c), o[t % WIDE_CHAINS][c]); \
+                }                                                                                             \
+                for (int c = 0; c < pass; c++) {                                                              \
+                    wide_t sum = o[0][c];                                                                     \
+                    for (int k = 1; k < WIDE_CHAINS; k++) sum = wide_add(sum, o[k][c]);                       \
+                    wide_storeu(out + j * head_dim + WIDE_LANES * (c0 + c), sum);                             \
+                }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
     }
-DEFINE_WIDE(attend_f32, float, load8_f32)
-DEFINE_WIDE(attend_bf16, bf16, load8_bf16)
+DEFINE_WIDE(attend_f32, float, wide_loadu)
+DEFINE_WIDE(attend_bf16, bf16, wide_load_bf16)
 #else /* `wide` is 0: never called */
 #define attend_f32_scores(...) ((void)0)
 #define attend_f32_values(...) ((void)0)

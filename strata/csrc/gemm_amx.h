@@ -179,17 +179,19 @@ static inline void add_tile(const float t[16][16], float *acc, int64_t acc_strid
 /* One group's stored tile sums, waiting to be scaled into acc while the next group's tile products run. */
 typedef struct {
     int live, two_m, two_n;
-    float *acc;                       /* the first strip's first row */
-    const float *scales[2], *offsets[2]; /* per strip (scales NULL: unscaled) */
-    const float *sums;                /* the group's sums of x, or NULL */
-    int64_t sum_stride;
+    float *acc;                   /* the first strip's first row */
+    const float *scales, *offsets; /* the first strip's; the second's panel_runs * 32 (16) on; scales NULL: unscaled */
+    const float *sums;            /* the group's sums of x, rows sum_stride apart, or NULL */
+    int64_t panel_runs, sum_stride;
 } pending_t;
 
 static inline void add_pending(pending_t *q, const float t[4][16][16]) {
     for (int j = 0; j < 1 + q->two_n; j++)
         for (int i = 0; i < 1 + q->two_m; i++)
-            add_tile(t[2 * i + j], q->acc + i * 16 * NC + j * 16, NC, q->scales[j], q->offsets[j],
-                     q->sums ? q->sums + i * 16 * q->sum_stride : NULL, q->sum_stride);
+            add_tile(t[2 * i + j], q->acc + i * 16 * NC + j * 16, NC, q->scales ? q->scales + j * q->panel_runs * 32
+                                                                               : NULL,
+                     q->offsets + j * q->panel_runs * 16, q->sums ? q->sums + i * 16 * q->sum_stride : NULL,
+                     q->sum_stride);
     q->live = 0;
 }
 
@@ -238,11 +240,9 @@ static void amx_task(const amx_product_t *p, int64_t n0, int64_t n1, uint16_t *t
                         else group_product(ah, a_block, bt, runs * TILE, g_runs, 0, 0);
                         if (pending.live) add_pending(&pending, t[cur ^ 1]); /* meanwhile, on the vector units */
                         store_sums(two_m, two_n, t[cur]);
-                        pending = (pending_t){1, two_m, two_n, acc + s * 16, {NULL, NULL},
-                                              {offsets + (s * runs + g) * 16, offsets + ((s + 1) * runs + g) * 16},
-                                              sums, p->runs};
-                        for (int j = 0; j < 1 + two_n && !unscaled; j++)
-                            pending.scales[j] = scales + ((s + j) * runs + g) * 32 + 16 * h;
+                        pending = (pending_t){1, two_m, two_n, acc + s * 16,
+                                              unscaled ? NULL : scales + (s * runs + g) * 32 + 16 * h,
+                                              offsets + (s * runs + g) * 16, sums, runs, p->runs};
                         cur ^= 1;
                     }
                 }

@@ -221,6 +221,25 @@ static inline __m256i word_pair(int j) {
     return _mm256_add_epi8(first, _mm256_set1_epi8((char)(2 * j)));
 }
 
+/* A Q4_K / Q5_K block's mins (dmin * mn per 32-value sub-block, from its unpacked scales and mins) times x's sums
+   per 32 (block s), into `mins`: the part of the product its offsets make. */
+static inline void k_block_mins(const uint8_t *block, __m128i packed, int64_t s, const gguf_x_t *xp, __m256 *mins) {
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
+    *mins = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_set1_ps(half_at(block + 2))),
+                            _mm256_loadu_ps(xp->sum32 + 8 * s), *mins);
+}
+
+/* A Q6_K block's (block sb) int8 sub-block scales times d times x's sums per 16, into `offsets`: the -32 offset's
+   part of the product, once times 32. */
+static inline void q6k_block_offsets(const uint8_t *block, int64_t sb, const gguf_x_t *xp, __m256 *offsets) {
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(block + 192));
+    const __m256 sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
+    const __m256 sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
+    const __m256 weighted = _mm256_fmadd_ps(sc_hi, _mm256_loadu_ps(xp->sum16 + 16 * sb + 8),
+                                            _mm256_mul_ps(sc_lo, _mm256_loadu_ps(xp->sum16 + 16 * sb)));
+    *offsets = _mm256_fmadd_ps(weighted, _mm256_set1_ps(half_at(block + 208)), *offsets);
+}
+
 /* Q4_K / Q5_K, one block against the paired x. 32 bytes of qs hold sub-block 2i in their low nibbles and 2i + 1 in
    their high ones; their 128-bit halves rearranged, one register takes values 0-15 of both and the other values
    16-31, so the products of the two add in int16 with each half a sub-block's, and one vpmaddwd applies both
@@ -230,9 +249,7 @@ static inline __attribute__((always_inline)) __m256 q45k_block(const uint8_t *bl
                                                               const int KIND, __m256 total, __m256 *mins) {
     const __m128i packed = k_scales_mins(block + 4);
     const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
-    *mins = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_set1_ps(half_at(block + 2))),
-                            _mm256_loadu_ps(xp->sum32 + 8 * s), *mins);
+    k_block_mins(block, packed, s, xp, mins);
     const uint8_t *qs = block + (KIND == KIND_Q5_K ? 48 : 16);
     const __m256i nibble = _mm256_set1_epi8(15);
     const __m256i qh = KIND == KIND_Q5_K ? _mm256_loadu_si256((const __m256i *)(block + 16)) : _mm256_setzero_si256();
@@ -269,11 +286,7 @@ static inline __attribute__((always_inline)) __m256 q6k_block(const uint8_t *blo
                                                              __m256 total, __m256 *offsets) {
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(block + 192));
     const float d = half_at(block + 208);
-    const __m256 sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
-    const __m256 sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
-    const __m256 weighted = _mm256_fmadd_ps(sc_hi, _mm256_loadu_ps(xp->sum16 + 16 * sb + 8),
-                                            _mm256_mul_ps(sc_lo, _mm256_loadu_ps(xp->sum16 + 16 * sb)));
-    *offsets = _mm256_fmadd_ps(weighted, _mm256_set1_ps(d), *offsets);
+    q6k_block_offsets(block, sb, xp, offsets);
     const __m256i sc16 = _mm256_cvtepi8_epi16(sc8); /* sc0..7 | sc8..15 */
     const __m256i nibble = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(0x30);
     #pragma GCC unroll 4

@@ -25,6 +25,26 @@ static inline __m128 four_halves(const uint8_t *p, int64_t stride, int count) {
 #endif
 }
 
+/* Two registers of 64 unsigned values (each at most 63) against x's digits at `at` and `at` + 64: each int32 lane
+   the exact sum of its four values times the 24-bit x (65536 high + 256 middle + low digit, joined in int32 as the
+   AVX2 kernel's). */
+static inline __attribute__((always_inline)) void digit_sums_vnni(__m512i first, __m512i second, const gguf_x_t *xp,
+                                                                  int64_t at, __m512i acc[2]) {
+    acc[0] = acc[1] = _mm512_setzero_si512();
+    for (int d = 0; d < I4_DIGITS; d++) {
+        if (d) acc[0] = _mm512_slli_epi32(acc[0], 8), acc[1] = _mm512_slli_epi32(acc[1], 8);
+        acc[0] = _mm512_dpbusd_epi32(acc[0], first, _mm512_loadu_si512((const void *)(xp->digits[d] + at)));
+        acc[1] = _mm512_dpbusd_epi32(acc[1], second, _mm512_loadu_si512((const void *)(xp->digits[d] + at + 64)));
+    }
+}
+
+/* total + each lane's int32 sum times its sub-block's scale: lane i of acc[k] takes scales[index[k][i]]. */
+static inline __attribute__((always_inline)) __m512 add_scaled_lanes(const __m512i acc[2], __m512i first,
+                                                                    __m512i second, __m512 scales, __m512 total) {
+    total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0]), _mm512_permutexvar_ps(first, scales), total);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[1]), _mm512_permutexvar_ps(second, scales), total);
+}
+
 /* Blocks b .. b + 3 (`count` of them, 1-4: a row's last ones) against quad x: the four d's times x's scale, each
    spread over its block's four lanes, times the exact int32 sums; the mins of Q4_1 / Q5_1 meet x's sums per 32 in
    `mins`. */
@@ -50,13 +70,9 @@ static inline __attribute__((always_inline)) __m512 legacy_quad(const uint8_t *b
         low = _mm512_mask_add_epi8(low, (__mmask64)low_bits, low, _mm512_set1_epi8(16));
         high = _mm512_mask_add_epi8(high, (__mmask64)high_bits, high, _mm512_set1_epi8(16));
     }
-    const int64_t at = b / 4 * 128;
-    __m512i acc = _mm512_setzero_si512();
-    for (int d = 0; d < I4_DIGITS; d++) { /* 65536 high + 256 middle + low, joined in int32 as the AVX2 kernel's */
-        if (d) acc = _mm512_slli_epi32(acc, 8);
-        acc = _mm512_dpbusd_epi32(acc, low, _mm512_loadu_si512((const void *)(xp->digits[d] + at)));
-        acc = _mm512_dpbusd_epi32(acc, high, _mm512_loadu_si512((const void *)(xp->digits[d] + at + 64)));
-    }
+    __m512i sums[2];
+    digit_sums_vnni(low, high, xp, b / 4 * 128, sums);
+    __m512i acc = _mm512_add_epi32(sums[0], sums[1]); /* each lane one block's 8 products */
     if (!with_min) /* Q4_0 and Q5_0 take away 8 or 16 times each lane's x, exactly */
         acc = _mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(xp->lanes + b / 4 * 16)),
                                                       five ? 4 : 3));
@@ -70,17 +86,18 @@ static inline __attribute__((always_inline)) __m512 legacy_quad(const uint8_t *b
 static inline __attribute__((always_inline)) float legacy_row_vnni(const uint8_t *row, int64_t blocks,
                                                                    const gguf_x_t *xp, const int KIND) {
     const int64_t bytes = gguf_block_bytes(KIND);
-    __m512 total[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* two chains: one FMA's latency each */
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two chains: one FMA's latency each */
     __m128 mins = _mm_setzero_ps();
     int64_t b = 0;
-    for (; b + 4 <= blocks; b += 4) {
-        const uint8_t *block = row + b * bytes;
-        prefetch_ahead(block, 4 * bytes);
-        total[b / 4 & 1] = legacy_quad(block, b, 4, xp, KIND, total[b / 4 & 1], &mins);
+    for (; b + 8 <= blocks; b += 8) {
+        prefetch_ahead(row + b * bytes, 8 * bytes);
+        even = legacy_quad(row + b * bytes, b, 4, xp, KIND, even, &mins);
+        odd = legacy_quad(row + (b + 4) * bytes, b + 4, 4, xp, KIND, odd, &mins);
     }
-    if (b < blocks) total[0] = legacy_quad(row + b * bytes, b, (int)(blocks - b), xp, KIND, total[0], &mins);
+    for (; b < blocks; b += 4)
+        even = legacy_quad(row + b * bytes, b, blocks - b < 4 ? (int)(blocks - b) : 4, xp, KIND, even, &mins);
     __m128 m = _mm_add_ps(mins, _mm_movehl_ps(mins, mins));
-    return _mm512_reduce_add_ps(_mm512_add_ps(total[0], total[1])) + _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+    return _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
 /* Q4_K / Q5_K, one block against the k-quad x (x_position): 64 bytes of qs at a time, whose low nibbles are
@@ -91,9 +108,7 @@ static inline __attribute__((always_inline)) __m512 q45k_block_vnni(const uint8_
                                                                    const gguf_x_t *xp, const int KIND,
                                                                    __m512 total, __m256 *mins) {
     const __m128i packed = k_scales_mins(block + 4);
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
-    *mins = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_set1_ps(half_at(block + 2))),
-                            _mm256_loadu_ps(xp->sum32 + 8 * s), *mins);
+    k_block_mins(block, packed, s, xp, mins);
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)); /* lanes 0-7: the 8 scales */
     const uint8_t *qs = block + (KIND == KIND_Q5_K ? 48 : 16);
     const __m512i nibble = _mm512_set1_epi8(15), bit = _mm512_set1_epi8(1);
@@ -113,21 +128,13 @@ static inline __attribute__((always_inline)) __m512 q45k_block_vnni(const uint8_
             low = _mm512_or_si512(low, _mm512_slli_epi16(lo_bits, 4));
             high = _mm512_or_si512(high, _mm512_slli_epi16(hi_bits, 4));
         }
-        const int64_t at = s * QK_K + 128 * h;
-        __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int dd = 0; dd < I4_DIGITS; dd++) { /* 65536 high + 256 middle + low, joined in int32 */
-            if (dd) acc[0] = _mm512_slli_epi32(acc[0], 8), acc[1] = _mm512_slli_epi32(acc[1], 8);
-            acc[0] = _mm512_dpbusd_epi32(acc[0], low, _mm512_loadu_si512((const void *)(xp->digits[dd] + at)));
-            acc[1] = _mm512_dpbusd_epi32(acc[1], high, _mm512_loadu_si512((const void *)(xp->digits[dd] + at + 64)));
-        }
-        const __m512 scaled = _mm512_mul_ps(sc, _mm512_set1_ps(d * xp->scale[2 * s + h]));
-        const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-        const __m512i base = _mm512_set1_epi32(4 * h);
-        total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0]),
-                                _mm512_permutexvar_ps(_mm512_add_epi32(first, base), scaled), total);
-        total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[1]),
-                                _mm512_permutexvar_ps(_mm512_add_epi32(first, _mm512_add_epi32(base,
-                                                                       _mm512_set1_epi32(1))), scaled), total);
+        __m512i acc[2];
+        digit_sums_vnni(low, high, xp, s * QK_K + 128 * h, acc);
+        /* lanes 0-7 of the low nibbles' sums take scale 4h, 8-15 scale 4h + 2; the high nibbles' 4h + 1, 4h + 3 */
+        const __m512i index = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                                               _mm512_set1_epi32(4 * h));
+        total = add_scaled_lanes(acc, index, _mm512_add_epi32(index, _mm512_set1_epi32(1)),
+                                 _mm512_mul_ps(sc, _mm512_set1_ps(d * xp->scale[2 * s + h])), total);
     }
     return total;
 }
@@ -141,11 +148,7 @@ static inline __attribute__((always_inline)) __m512 q6k_block_vnni(const uint8_t
                                                                   __m256 *offsets) {
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(block + 192));
     const float d = half_at(block + 208);
-    const __m256 sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
-    const __m256 sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
-    const __m256 weighted = _mm256_fmadd_ps(sc_hi, _mm256_loadu_ps(xp->sum16 + 16 * sb + 8),
-                                            _mm256_mul_ps(sc_lo, _mm256_loadu_ps(xp->sum16 + 16 * sb)));
-    *offsets = _mm256_fmadd_ps(weighted, _mm256_set1_ps(d), *offsets);
+    q6k_block_offsets(block, sb, xp, offsets);
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)); /* the 16 sub-blocks' scales */
     const __m512i nibble = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
     const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -161,20 +164,11 @@ static inline __attribute__((always_inline)) __m512 q6k_block_vnni(const uint8_t
                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift01), two), 4)),
             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble),
                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift23), two), 4))};
-        const int64_t at = sb * QK_K + 128 * h;
-        __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int dd = 0; dd < I4_DIGITS; dd++) {
-            if (dd) acc[0] = _mm512_slli_epi32(acc[0], 8), acc[1] = _mm512_slli_epi32(acc[1], 8);
-            acc[0] = _mm512_dpbusd_epi32(acc[0], q[0], _mm512_loadu_si512((const void *)(xp->digits[dd] + at)));
-            acc[1] = _mm512_dpbusd_epi32(acc[1], q[1], _mm512_loadu_si512((const void *)(xp->digits[dd] + at + 64)));
-        }
-        const __m512 scaled = _mm512_mul_ps(sc, _mm512_set1_ps(d * xp->scale[2 * sb + h]));
-        const __m512i base = _mm512_set1_epi32(8 * h);
-        total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0]), _mm512_permutexvar_ps(_mm512_add_epi32(quarter, base),
-                                                                                   scaled), total);
-        total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[1]),
-                                _mm512_permutexvar_ps(_mm512_add_epi32(quarter, _mm512_add_epi32(base,
-                                                                       _mm512_set1_epi32(4))), scaled), total);
+        __m512i acc[2];
+        digit_sums_vnni(q[0], q[1], xp, sb * QK_K + 128 * h, acc);
+        const __m512i index = _mm512_add_epi32(quarter, _mm512_set1_epi32(8 * h)); /* sub-blocks 8h .. 8h + 7 */
+        total = add_scaled_lanes(acc, index, _mm512_add_epi32(index, _mm512_set1_epi32(4)),
+                                 _mm512_mul_ps(sc, _mm512_set1_ps(d * xp->scale[2 * sb + h])), total);
     }
     return total;
 }
