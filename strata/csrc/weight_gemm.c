@@ -1,10 +1,10 @@
 /* Large-batch products (prefill, batched decode) straight from weights narrower than float32: bfloat16, int8, int4
    and FP8 in strata's layouts (weight_values.h). A GEMM in the manner of BLIS: a task (128 outputs) widens the next
    256 values of K of its outputs into float32 once, as panels of 16 outputs in cache, and a 6 x 16 register-blocked
-   kernel multiplies every row of x by them, so the widening costs one pass over the weight per product (the tiles
-   this replaced were dequantized, then repacked by oneDNN, on every call). Built on first use by strata/native.py;
-   AVX2/FMA, plain C otherwise; on CPUs with AMX, gemm_amx.h's tiles for the kinds they read, where measured faster
-   (set_gemm_engine). */
+   kernel multiplies every row of x by them (gemm_panels.h packs both), so the widening costs one pass over the
+   weight per product (the tiles this replaced were dequantized, then repacked by oneDNN, on every call). Built on
+   first use by strata/native.py; AVX2/FMA, plain C otherwise; on CPUs with AMX, gemm_amx.h's tiles for the kinds
+   they read, where measured faster (set_gemm_engine). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,108 +32,7 @@
    measured AMX faster on this machine. */
 static int engine_of[KIND_GGUF + 32];
 
-#if USE_AVX2
-/* Blocks of row r from value k0 (a multiple of 32) until `end` into dst, group by group: for a quantized KIND
-   (q - zero) * scale, as the reference dequantizes. */
-static inline __attribute__((always_inline)) void widen_blocks(const weights_t *w, int64_t r, int64_t k0,
-                                                               int64_t end, const int KIND, float *dst) {
-    const uint8_t *row = w->data + r * w->row_bytes;
-    for (int64_t i = 0; i < end;) {
-        const int64_t g = scaled(KIND) ? (k0 + i) / w->group_size : 0;
-        const int64_t group_end = scaled(KIND) ? (g + 1) * w->group_size - k0 : end;
-        const int64_t stop = group_end < end ? group_end : end;
-        const __m256 scale = _mm256_set1_ps(scaled(KIND) ? w->scales[r * w->groups + g] : 1.f);
-        const __m256 zero = _mm256_set1_ps(scaled(KIND) ? zero_point(w, r, g) : 0.f);
-        for (; i < stop; i += BLOCK) {
-            __m256 v[4];
-            load_block(KIND, row, (k0 + i) / BLOCK, v);
-            for (int j = 0; j < 4; j++)
-                v[j] = scaled(KIND) ? _mm256_mul_ps(_mm256_sub_ps(v[j], zero), scale) : v[j];
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + i + 8 * j, v[j]);
-        }
-    }
-}
-#endif
-
-/* Values k0 .. k0 + kc of weight row r (kc <= KC) as float32 into dst, then zeros up to a multiple of 8.
-   Quantized rows are padded to whole blocks in memory; bfloat16 rows are not, so their last block goes one by one. */
-static void widen_row(const weights_t *w, int64_t r, int64_t k0, int64_t kc, float *dst) {
-    const int quantized = scaled(w->kind);
-    int64_t i = 0;
-    if (gguf_block_values(w->kind)) { /* panels hold whole runs of 32: K is whole blocks, KC a multiple of 32 */
-        gguf_row_floats(w->kind, w->data + r * w->row_bytes, k0, kc, dst);
-        return;
-    }
-#if USE_AVX2
-    i = quantized ? (kc + BLOCK - 1) / BLOCK * BLOCK : kc / BLOCK * BLOCK;
-    switch (w->kind) { /* constant kinds, so each load inlines */
-    case KIND_F32: widen_blocks(w, r, k0, i, KIND_F32, dst); break;
-    case KIND_F16: widen_blocks(w, r, k0, i, KIND_F16, dst); break;
-    case KIND_BF16: widen_blocks(w, r, k0, i, KIND_BF16, dst); break;
-    case KIND_INT4: widen_blocks(w, r, k0, i, KIND_INT4, dst); break;
-    case KIND_FP8: widen_blocks(w, r, k0, i, KIND_FP8, dst); break;
-    default: widen_blocks(w, r, k0, i, KIND_INT8, dst);
-    }
-#endif
-    const uint8_t *row = w->data + r * w->row_bytes;
-    for (; i < kc; i++) {
-        const int64_t k = k0 + i;
-        float v = load_value(w, row, k);
-        if (quantized) v = (v - zero_point(w, r, k / w->group_size)) * w->scales[r * w->groups + k / w->group_size];
-        dst[i] = v;
-    }
-    for (i = kc; i % 8; i++) dst[i] = 0.f;
-}
-
-/* Outputs n0 .. n0 + 16 (zeros past n) for values k0 .. k0 + kc as a panel [kc][16] (rows up to a multiple of 8
-   written: KC is one), through rows [16][KC]. */
-static void pack_strip(const weights_t *w, int64_t n0, int64_t k0, int64_t kc, float *rows, float *panel) {
-    for (int r = 0; r < NR; r++) {
-        if (n0 + r < w->n) widen_row(w, n0 + r, k0, kc, rows + r * KC);
-        else memset(rows + r * KC, 0, sizeof(float) * KC);
-    }
-#if USE_AVX2
-    for (int64_t k = 0; k < kc; k += 8)
-        for (int half = 0; half < 2; half++) { /* an 8 x 8 transpose; the loads already pair rows r and r + 4 */
-            const float *src = rows + half * 8 * KC + k;
-            __m256 r[8], t[8];
-            for (int j = 0; j < 4; j++) {
-                r[j] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(src + j * KC)),
-                                            _mm_loadu_ps(src + (j + 4) * KC), 1);
-                r[j + 4] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(src + j * KC + 4)),
-                                                _mm_loadu_ps(src + (j + 4) * KC + 4), 1);
-            }
-            /* r[j]: values 0-3 of rows j, j + 4; r[j + 4]: values 4-7 */
-            for (int h = 0; h < 8; h += 4) {
-                t[h] = _mm256_unpacklo_ps(r[h], r[h + 1]);
-                t[h + 1] = _mm256_unpackhi_ps(r[h], r[h + 1]);
-                t[h + 2] = _mm256_unpacklo_ps(r[h + 2], r[h + 3]);
-                t[h + 3] = _mm256_unpackhi_ps(r[h + 2], r[h + 3]);
-            }
-            for (int h = 0; h < 8; h += 4) {
-                const __m256 out[4] = {_mm256_shuffle_ps(t[h], t[h + 2], 0x44), _mm256_shuffle_ps(t[h], t[h + 2], 0xEE),
-                                       _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44),
-                                       _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE)};
-                for (int j = 0; j < 4; j++) /* value k + h + j of the 8 rows (past kc: zeros the kernel never reads) */
-                    _mm256_storeu_ps(panel + (k + h + j) * NR + half * 8, out[j]);
-            }
-        }
-#else
-    for (int64_t k = 0; k < kc; k++)
-        for (int r = 0; r < NR; r++) panel[k * NR + r] = rows[r * KC + k];
-#endif
-}
-
-/* x [m_total, k] as blocks of 6 rows [k][6] (rows past m_total: zeros): the kernel's broadcasts then read one
-   stream, not six rows far apart. */
-static void pack_rows(const float *x, int64_t m_total, int64_t k, int64_t block, float *xp) {
-    float *dst = xp + block * k * MR;
-    for (int64_t kk = 0; kk < k; kk++)
-        for (int i = 0; i < MR; i++) {
-            const int64_t m = block * MR + i;
-            dst[kk * MR + i] = m < m_total ? x[m * k + kk] : 0.f;
-        }
-}
+#include "gemm_panels.h"
 
 /* c[mr][16] (+)= a [kc][6] (the first mr of each 6) times panel [kc][16]; `valid` of the 16 columns are stored. */
 static inline __attribute__((always_inline)) void kernel(const float *a, const float *panel, int64_t kc,

@@ -1,7 +1,7 @@
 """Kernel choices measured on the machine that runs them, not tuned on one: for each GGUF block type, up to how many
 rows of x the fixed-point kernels (x rounded to 24-bit integers, one pass a row) beat the float ones (each run
 widened once for all rows); for each kind of narrow weight, whether the large-batch products run on AMX tiles or
-the FMA GEMM, and (on AMX) up to how many rows the small-batch kernels beat that GEMM. A short calibration on the
+the FMA GEMM, and up to how many rows the small-batch kernels beat that GEMM. A short calibration on the
 first weight of a kind, cached per build and CPU."""
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def gemm_engine(kind: int) -> str | None:
     return engine
 
 
-_CROSSOVER_ROWS = (8, 12, 16)  # rows timed against the AMX GEMM
+_CROSSOVER_ROWS = (8, 12, 16)  # rows timed against the GEMM
 
 
 def measure_small_batch_rows(operands: dict, k: int) -> int:
@@ -207,14 +207,17 @@ def measure_small_batch_rows(operands: dict, k: int) -> int:
 
 def small_batch_rows(operands: dict, k: int) -> int:
     """Up to how many rows of x products with this weight (cpu_matmul's keywords, K = k) take the small-batch
-    kernel, more rows the GEMM. Measured on the weight itself, cached per kind and shape, where its kind's GEMM
-    runs on AMX tiles (whose fixed cost a call, against the kernel's cost a row, moves the crossover with the
-    machine and the layer's size); elsewhere the crossover measured for the FMA GEMM on Zen 3 and Xeon."""
+    kernel, more rows the GEMM. Measured on the weight itself against the GEMM its kind takes here (AMX tiles or
+    FMA), cached per kind, shape and engine: the GEMM's fixed cost a call (widening the weight, or setting up tiles)
+    against the kernel's cost a row moves the crossover with the machine and the layer's size (int4 [2816 x 1024]
+    on two Xeon cores built for AVX2: the FMA GEMM wins from 12 rows; Zen 3 measured 16). Float32 GGUF weights,
+    whose large batches are oneDNN's, keep SMALL_BATCH."""
     kind = operands["kind"]
     most = gguf_quants.SMALL_BATCH if kind >= cpu_matmul.KIND_GGUF else weight_only.SMALL_BATCH
-    if gemm_engine(kind) != "AMX":
+    if kind == gguf_quants.kernel_kind(gguf_quants.F32):
         return most
-    key = f"small-batch {kind_name(kind)} {operands['out_features']}x{k}"
+    engine = gemm_engine(kind) or "FMA"
+    key = f"small-batch {kind_name(kind)} {operands['out_features']}x{k} {engine}"
     rows = _read_cache().get(key)
     if rows is None or not 1 <= rows <= most:
         rows = measure_small_batch_rows(operands, k)
@@ -243,7 +246,7 @@ def summary(kinds: dict[int, set[int]]) -> str:
     fixed = [f"{kind_name(k)} up to {r} rows" for k, r in rows.items() if r >= 0]
     if fixed:
         parts.append("GGUF fixed-point kernels (then float): " + ", ".join(fixed))
-    engines = [f"{kind_name(k)} AMX above {'/'.join(map(str, sorted(kinds[k])))} rows" if gemm.gemm_engine(k) == 1
-               else f"{kind_name(k)} FMA" for k in sorted(kinds)
+    engines = [f"{kind_name(k)} {'AMX' if gemm.gemm_engine(k) == 1 else 'FMA'} above "
+               f"{'/'.join(map(str, sorted(kinds[k])))} rows" for k in sorted(kinds)
                if k not in (cpu_matmul.KIND_F32, cpu_matmul.KIND_GGUF_F32)]  # float32 weights: oneDNN's
     return "; ".join([*parts, "large-batch GEMM: " + ", ".join(engines)])

@@ -127,11 +127,39 @@ def test_choose_makes_every_choice_a_kind_has(fresh_choice, monkeypatch):
     made = []
     monkeypatch.setattr(kernel_choice, "fixed_point_rows", lambda qtype: made.append(("rows", qtype)))
     monkeypatch.setattr(kernel_choice, "gemm_engine", lambda kind: made.append(("gemm", kind)) or "FMA")
+    monkeypatch.setattr(kernel_choice, "measure_small_batch_rows",
+                        lambda operands, k: made.append(("crossover", operands["kind"], k)) or 11)
     q4_1 = {"weight": None, "kind": gguf_quants.kernel_kind(gp.Q4_1), "out_features": 8}
-    assert kernel_choice.choose(q4_1, 64) == gguf_quants.SMALL_BATCH  # the FMA GEMM: the crossover stays
-    assert kernel_choice.choose({**q4_1, "kind": cpu_matmul.KIND_INT8}, 64) == weight_only.SMALL_BATCH
-    assert made == [("rows", gp.Q4_1), ("gemm", q4_1["kind"]), ("gemm", q4_1["kind"]),
-                    ("gemm", cpu_matmul.KIND_INT8), ("gemm", cpu_matmul.KIND_INT8)]
+    assert kernel_choice.choose(q4_1, 64) == 11
+    assert kernel_choice.choose({**q4_1, "kind": cpu_matmul.KIND_INT8}, 64) == 11
+    assert made == [("rows", gp.Q4_1), ("gemm", q4_1["kind"]), ("gemm", q4_1["kind"]), ("crossover", q4_1["kind"], 64),
+                    ("gemm", cpu_matmul.KIND_INT8), ("gemm", cpu_matmul.KIND_INT8), ("crossover", cpu_matmul.KIND_INT8, 64)]
+    [cache] = kernel_choice.native.cache_dir().glob("*-choices.json")
+    assert json.loads(cache.read_text()) == {"small-batch Q4_1 8x64 FMA": 11, "small-batch int8 8x64 FMA": 11}
+
+
+def test_float32_gguf_weights_keep_the_fixed_crossover(fresh_choice, monkeypatch):
+    """Their large batches are oneDNN's, not the GEMM the measurement would time."""
+    monkeypatch.setattr(kernel_choice, "measure_small_batch_rows", lambda operands, k: pytest.fail("timed"))
+    f32 = {"weight": None, "kind": gguf_quants.kernel_kind(gguf_quants.F32), "out_features": 8}
+    assert kernel_choice.small_batch_rows(f32, 64) == gguf_quants.SMALL_BATCH
+
+
+def test_small_batch_crossover_is_measured_per_shape_on_the_fma_gemm_then_read_from_the_cache(fresh_choice,
+                                                                                             monkeypatch):
+    monkeypatch.setattr(kernel_choice, "gemm_engine", lambda kind: None)  # a build without AMX: the FMA GEMM
+    timed = []
+    measure = kernel_choice.measure_small_batch_rows
+    monkeypatch.setattr(kernel_choice, "measure_small_batch_rows",
+                        lambda operands, k: timed.append((operands["out_features"], k)) or measure(operands, k))
+    weight, scales = torch.randint(0, 256, (96, 128), dtype=torch.uint8), torch.rand(96, 2) + 0.5
+    operands = {"weight": weight, "kind": cpu_matmul.KIND_INT4, "out_features": 96, "scales": scales,
+                "group_size": 128}
+    rows = kernel_choice.choose(operands, 256)
+    assert 7 <= rows <= weight_only.SMALL_BATCH and timed == [(96, 256)]
+    assert kernel_choice.choose(operands, 256) == rows and timed == [(96, 256)]  # the cache answers
+    [cache] = kernel_choice.native.cache_dir().glob("*-choices.json")
+    assert json.loads(cache.read_text()) == {"small-batch int4 96x256 FMA": rows}
 
 
 def test_small_batch_crossover_is_measured_per_shape_on_amx_then_read_from_the_cache(fresh_choice, monkeypatch):
@@ -151,4 +179,4 @@ def test_small_batch_crossover_is_measured_per_shape_on_amx_then_read_from_the_c
     kernel_choice.choose(wider, 256)
     assert timed == [(96, 256), (160, 256)]  # another shape is timed on its own
     [cache] = kernel_choice.native.cache_dir().glob("*-choices.json")
-    assert json.loads(cache.read_text())["small-batch Q4_0 96x256"] == rows
+    assert json.loads(cache.read_text())["small-batch Q4_0 96x256 AMX"] == rows
