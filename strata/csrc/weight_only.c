@@ -292,8 +292,9 @@ static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, co
    [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]; 16: MXFP4 blocks [n, k / 2] with their uint8 e8m0
    exponents [n, k / 32] passed as `scales` (mxfp4.h; zeros and groups unused); 32 + ggml's type: GGUF blocks
    (gguf_blocks.h; scales, zeros and groups unused). Rows of the weight are shared among the threads, each read
-   once for every x row (once for every 8 rows with AVX-512). Returns 0, -1 when scratch memory ran out, -2 for a GGUF kind strata
-   does not read or a K that is not a whole number of its blocks. */
+   once for every 8 rows of x (4 in plain C; int4 and int8 at one row on AVX2: the fixed-point kernels). Returns 0,
+   -1 when scratch memory ran out, -2 for a GGUF kind strata does not read or a K that is not a whole number of its
+   blocks. */
 int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *weight, int64_t row_bytes,
                        int kind, const float *scales, const float *zeros, int64_t groups, int64_t group_size,
                        const float *bias, float *out, int64_t n, int num_threads) {
