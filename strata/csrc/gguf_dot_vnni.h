@@ -1,13 +1,12 @@
-/* AVX-512 VNNI products of GGUF kinds (Q4_0 .. Q5_1, Q4_K, Q5_K, Q6_K) by a few rows of x, x rounded to 24-bit
-   fixed point as for gguf_dot_avx2.h (included after it, whose prepared x this reads in its quad, k-quad or in-order
-   layout). Four
-   blocks' 4-bit values fill one 64-byte register (values 0-15 of each block, then a second register with values
-   16-31), vpdpbusd multiplies them by each of x's three digits and sums four products an int32 lane: every lane
-   belongs to one block, so one float multiply per 128 values applies the four blocks' d. Zen 4, SmolLM2's Q4_1:
-   half the instructions of the AVX2 kernel per value. The K-quants likewise: 64 bytes of a Q4_K / Q5_K block's qs
-   hold four 32-value sub-blocks (two in the low nibbles, two in the high), 64 bytes of a Q6_K block's ql two runs
-   of 32 in either nibble; each lane's int32 sum belongs to one sub-block, so one float multiply per lane applies
-   its scale. A [32000 x 1024] weight at one row of x on two Xeon cores: Q4_K 20.5 -> 23 GB/s, Q6_K 27 -> 29. */
+/* AVX-512 VNNI products of GGUF kinds (Q4_0 .. Q5_1, Q4_K, Q5_K, Q6_K) by a few rows of x, x rounded to 24-bit fixed
+   point as for gguf_dot_avx2.h (included after it, whose prepared x this reads in its quad, k-quad or in-order layout).
+   Four blocks' 4-bit values fill one 64-byte register (values 0-15 of each block, then a second register with values
+   16-31), vpdpbusd multiplies them by each of x's three digits and sums four products an int32 lane: every lane belongs
+   to one block, so one float multiply per 128 values applies the four blocks' d. Zen 4, SmolLM2's Q4_1: half the
+   instructions of the AVX2 kernel per value. The K-quants likewise: 64 bytes of a Q4_K / Q5_K block's qs hold four
+   32-value sub-blocks (two in the low nibbles, two in the high), 64 bytes of a Q6_K block's ql two runs of 32 in either
+   nibble; each lane's int32 sum belongs to one sub-block, so one float multiply per lane applies its scale. A [32000 x
+   1024] weight at one row of x on two Xeon cores: Q4_K 20.5 -> 23 GB/s, Q6_K 27 -> 29. */
 #ifndef STRATA_GGUF_DOT_VNNI_H
 #define STRATA_GGUF_DOT_VNNI_H
 #include <immintrin.h>

@@ -65,9 +65,9 @@ def test_fused_decode_reads_ggml_blocks_mixed_pieces_and_a_block_table(gguf_all_
 
 
 def test_layers_past_their_measured_crossover_take_the_gemm_in_both_paths_alike(gguf_all_types, monkeypatch):
-    """A crossover of 2 rows (as kernel_choice may measure on AMX): decode steps of 3 and 4 rows take the GEMM for
-    every ggml layer, inside the C step as in the modules, with the same bits; the default crossover keeps them on
-    the small-batch kernel, whose sums round otherwise."""
+    """A crossover of 2 rows (as kernel_choice may measure where the GEMM is fast): decode steps of 3 and 4 rows
+    take the GEMM for every ggml layer, inside the C step as in the modules, with the same bits; the default
+    crossover keeps them on the small-batch kernel, whose sums round otherwise."""
     from strata.layers.quantization import kernel_choice
 
     prompts = [{"prompt_token_ids": list(range(5 + 3 * i, 12 + 4 * i))} for i in range(4)]

@@ -127,15 +127,15 @@ def _gemm_row_bytes(kind: int) -> int:
     return {cpu_matmul.KIND_BF16: 2 * GEMM_K, cpu_matmul.KIND_INT4: GEMM_K // 2}.get(kind, GEMM_K)  # int8, FP8: 1
 
 
-def _gemm_operands(kind: int, rows: int = GEMM_N) -> dict:
-    """A [rows, GEMM_K] weight of this kind for the products, its bytes all 0x11 (valid blocks, normal scales)."""
-    weight = torch.full((rows, _gemm_row_bytes(kind)), 0x11, dtype=torch.uint8)
+def _gemm_operands(kind: int) -> dict:
+    """A [GEMM_N, GEMM_K] weight of this kind for the products, its bytes all 0x11 (valid blocks, normal scales)."""
+    weight = torch.full((GEMM_N, _gemm_row_bytes(kind)), 0x11, dtype=torch.uint8)
     if kind >= cpu_matmul.KIND_GGUF:
         return {"weight": weight}
     if kind == cpu_matmul.KIND_BF16:
         return {"weight": weight.view(torch.bfloat16)}
     per_group = 128 if kind == cpu_matmul.KIND_INT4 else GEMM_K  # W4A16's usual groups, W8A16 / FP8 per channel
-    return {"weight": weight, "scales": torch.ones(rows, GEMM_K // per_group), "group_size": per_group}
+    return {"weight": weight, "scales": torch.ones(GEMM_N, GEMM_K // per_group), "group_size": per_group}
 
 
 def measure_gemm_engine(kind: int) -> str | None:

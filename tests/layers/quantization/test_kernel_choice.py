@@ -132,8 +132,9 @@ def test_choose_makes_every_choice_a_kind_has(fresh_choice, monkeypatch):
     q4_1 = {"weight": None, "kind": gguf_quants.kernel_kind(gp.Q4_1), "out_features": 8}
     assert kernel_choice.choose(q4_1, 64) == 11
     assert kernel_choice.choose({**q4_1, "kind": cpu_matmul.KIND_INT8}, 64) == 11
+    int8 = cpu_matmul.KIND_INT8
     assert made == [("rows", gp.Q4_1), ("gemm", q4_1["kind"]), ("gemm", q4_1["kind"]), ("crossover", q4_1["kind"], 64),
-                    ("gemm", cpu_matmul.KIND_INT8), ("gemm", cpu_matmul.KIND_INT8), ("crossover", cpu_matmul.KIND_INT8, 64)]
+                    ("gemm", int8), ("gemm", int8), ("crossover", int8, 64)]
     [cache] = kernel_choice.native.cache_dir().glob("*-choices.json")
     assert json.loads(cache.read_text()) == {"small-batch Q4_1 8x64 FMA": 11, "small-batch int8 8x64 FMA": 11}
 
