@@ -1,12 +1,15 @@
-/* SwiGLU's silu(gate) * up, and Gemma's gelu_tanh(gate) * up, for the few rows of a decode step on CPU (float32, or
-   bfloat16 with float32 math rounded where torch rounds: after the activation and after the product). Built on
-   first use by strata/native.py, called from strata/layers/activation.py; larger batches stay on torch's
-   vectorized, threaded ops. */
+/* SwiGLU's silu(gate) * up, and Gemma's gelu_tanh(gate) * up, on CPU (float32, or bfloat16 with float32 math
+   rounded where torch rounds: after the activation and after the product): a decode step's few rows on the calling
+   thread, a prefill's many rows shared among the threads. Built on first use by strata/native.py, called from
+   strata/layers/activation.py and decode_layer.c. */
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
 #include "fast_exp.h"
+
+/* Rows from which a call shares them among the threads: below, waking the threads costs more than the rows. */
+#define THREADED_ROWS 32
 
 static inline float silu(float g) { return g / (1.f + fast_exp(-g)); }
 
@@ -21,6 +24,7 @@ static inline float gelu_tanh(float g) {
 /* out = GATE(gate) * up, row by row; gate_up: [rows, 2 * width] (gate then up, contiguous); out: [rows, width]. */
 #define DEFINE_GATED_MUL(NAME, GATE, T, LOAD, STORE)                                                           \
     static void NAME(const T *gate_up, T *out, int64_t rows, int64_t width) {                                  \
+        _Pragma("omp parallel for if (rows >= THREADED_ROWS) schedule(static)")                                \
         for (int64_t r = 0; r < rows; r++) {                                                                   \
             const T *gate = gate_up + r * 2 * width, *up = gate + width;                                       \
             T *o = out + r * width;                                                                            \

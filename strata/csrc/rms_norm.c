@@ -1,12 +1,15 @@
-/* RMSNorm of the few rows of a decode step on CPU, with the residual add fused in (float32, or bfloat16 with
-   float32 math rounded where torch rounds). Built on first use by strata/native.py, called from
-   strata/layers/norm.py; larger batches stay on torch's vectorized, threaded ops. */
+/* RMSNorm on CPU, with the residual add fused in (float32, or bfloat16 with float32 math rounded where torch
+   rounds): a decode step's few rows on the calling thread, a prefill's many rows shared among the threads. Built on
+   first use by strata/native.py, called from strata/layers/norm.py and decode_layer.c. */
 #include <math.h>
 #include <stdint.h>
 
 #include "bf16.h"
 
 #include <stddef.h>
+
+/* Rows from which a call shares them among the threads: below, waking the threads costs more than the rows. */
+#define THREADED_ROWS 32
 
 /* One row: s = x (+ residual, rounded to the dtype, written to sum_out); out = weight * (s / rms(s)) with
    the normalized value rounded to the dtype before the weight multiplies it, as HF's RMSNorm does. */
@@ -36,6 +39,7 @@ DEFINE_ROW(row_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
 void rms_norm(const void *x, const void *residual, const void *weight, void *out, void *sum_out, int64_t rows,
               int64_t hidden, float eps, int bf16) {
+#pragma omp parallel for if (rows >= THREADED_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t at = r * hidden;
         if (bf16)
@@ -51,6 +55,7 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
    `row_stride` apart (views into a fused qkv output). */
 void rms_norm_heads(void *x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t row_stride, const void *weight,
                     float eps, int bf16) {
+#pragma omp parallel for if (tokens >= THREADED_ROWS) schedule(static)
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < heads; h++) {
             const int64_t at = t * row_stride + h * head_dim;

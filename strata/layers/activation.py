@@ -1,5 +1,5 @@
-"""Activations of gated MLPs; the few rows of a decode step on CPU go through a small C kernel (one call instead
-of three torch ops)."""
+"""Activations of gated MLPs; on CPU through a small C kernel (one call instead of three torch ops, a prefill's rows
+shared among the threads)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from strata import native
 from strata.native import I32, I64, PTR
 
-KERNEL_ROWS = 16  # a decode step's; prefill keeps torch's vectorized, threaded ops
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -22,8 +21,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _kernel(name: str, gate_up: torch.Tensor) -> torch.Tensor | None:
-    """The C kernel's [gate | up] -> activation(gate) * up, or None when the rows are not a decode step's."""
-    if (gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.shape[0] <= KERNEL_ROWS
+    """The C kernel's [gate | up] -> activation(gate) * up, or None where it does not serve (not CPU, not 2-D)."""
+    if (gate_up.device.type == "cpu" and gate_up.dim() == 2
             and gate_up.dtype in _DTYPES and gate_up.is_contiguous() and _library() is not None):
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
         getattr(_library(), name)(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],

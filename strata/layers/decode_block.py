@@ -263,7 +263,7 @@ def describe(b: DecoderBlocks, ranges: int, rope: int = 0) -> Plan | None:
                     describe_linear(b.down_proj, b.down_proj.bias if first_rank else None, keep)]
     if any(d is None for d in linears):
         return None
-    max_rows = min([rows for _, rows in linears] + [norm.KERNEL_ROWS, rotary.KERNEL_TOKENS, activation.KERNEL_ROWS])
+    max_rows = min(rows for _, rows in linears)
     hidden = b.input_norm.weight.shape[0]
     attention_out, mlp_out = b.attention_out_norm, b.mlp_out_norm
     attention = _AttentionBlock(

@@ -1,6 +1,6 @@
 """Rotary position embeddings (half-split "neox" and interleaved-pair styles, over the whole head or its first
-`rotary_dim` dimensions), with llama3, LongRoPE and YaRN scaling; a decode step's heads on CPU are rotated in place by a
-small C kernel (one call for q and k instead of a dozen ops)."""
+`rotary_dim` dimensions), with llama3, LongRoPE and YaRN scaling; on CPU half-split heads are rotated in place by a
+small C kernel (one call for q and k instead of a dozen ops, a prefill's tokens shared among the threads)."""
 from __future__ import annotations
 
 import ctypes
@@ -15,7 +15,6 @@ from strata import native
 from strata.errors import UnsupportedModelError
 from strata.native import I32, I64, PTR
 
-KERNEL_TOKENS = 16  # a decode step's; prefill keeps torch's vectorized, threaded ops
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -26,8 +25,8 @@ def _library() -> ctypes.CDLL | None:
 
 def _kernel_serves(x: torch.Tensor, head_dim: int) -> bool:
     """[T, H, D] heads whose values are contiguous per token row (e.g. views into a fused qkv output)."""
-    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 3 and x.shape[0] <= KERNEL_TOKENS
-            and x.stride(2) == 1 and x.stride(1) == head_dim and _library() is not None)
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == head_dim and _library() is not None)
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -234,8 +233,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D] -> the rotated heads: copies, or q and k themselves rotated in place (a
-        decode step on CPU; callers pass fresh projections)."""
+        """q: [T, Hq, D], k: [T, Hk, D] -> the rotated heads: copies, or q and k themselves rotated in place (on
+        CPU; callers pass fresh projections)."""
         if self.interleaved:
             cos, sin = self._step_cos_sin(positions, q.dtype)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

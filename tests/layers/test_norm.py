@@ -1,4 +1,5 @@
-"""RMSNorm: the C kernel of decode steps gives what the torch ops give (with and without the residual add)."""
+"""RMSNorm: the C kernel gives what the torch ops give (with and without the residual add), on a decode step's few rows
+and on a prefill's many, which it shares among the threads."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ from strata.layers.norm import RMSNorm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, norm.KERNEL_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, 16, 31, 32, 200])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_kernel_matches_the_torch_ops(dtype, rows, with_residual, monkeypatch):
     if norm._library() is None:
@@ -32,8 +33,13 @@ def test_rms_norm_kernel_matches_the_torch_ops(dtype, rows, with_residual, monke
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_rms_norm_of_many_rows_stays_on_torch(monkeypatch):
-    layer = RMSNorm(64)
-    monkeypatch.setattr(layer, "_kernel", lambda *a: pytest.fail("the kernel serves decode-sized batches only"))
-    x = torch.randn(norm.KERNEL_ROWS + 1, 64)
-    torch.testing.assert_close(layer(x), layer.normalize(x))
+def test_rms_norm_of_heads_matches_the_torch_ops_at_prefill_size():
+    if norm._library() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    layer = RMSNorm(64, 1e-6)
+    layer.weight.data = torch.randn(64, generator=g)
+    qkv = torch.randn(100, 12 * 64, generator=g)
+    q = qkv[:, :8 * 64].view(100, 8, 64)  # heads of a qkv output: rows 12 heads apart
+    assert layer._heads_kernel_serves(q)
+    torch.testing.assert_close(layer(q), layer.normalize(q), rtol=1e-5, atol=1e-5)

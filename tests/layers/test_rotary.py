@@ -1,4 +1,5 @@
-"""Rotary embedding: a decode step's q and k rotated in place by the C kernel equal the torch ops' copies."""
+"""Rotary embedding: q and k rotated in place by the C kernel (a decode step's tokens, or a prefill's shared among the
+threads) equal the torch ops' copies."""
 from __future__ import annotations
 
 import pytest
@@ -9,13 +10,14 @@ from strata.layers.rotary import RotaryEmbedding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_in_place_kernel_gives_the_torch_rotation_exactly(dtype):
+@pytest.mark.parametrize("positions", [[0, 3, 70, 5000], list(range(40, 140))], ids=["decode", "prefill"])
+def test_in_place_kernel_gives_the_torch_rotation_exactly(dtype, positions):
     if rotary._library() is None:
         pytest.skip("no C compiler")
     rope = RotaryEmbedding(64, 10000.0)
-    positions = torch.tensor([0, 3, 70, 5000])
-    qkv = torch.randn(4, (16 + 8 + 8) * 64, generator=torch.Generator().manual_seed(0)).to(dtype)
-    q, k = qkv[:, :1024].view(4, 16, 64), qkv[:, 1024:1536].view(4, 8, 64)
+    positions, t = torch.tensor(positions), len(positions)
+    qkv = torch.randn(t, (16 + 8 + 8) * 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    q, k = qkv[:, :1024].view(t, 16, 64), qkv[:, 1024:1536].view(t, 8, 64)
     cos, sin = rope._tables(positions, dtype)
     want_q, want_k = rope._rotate_half_split(q, cos, sin), rope._rotate_half_split(k, cos, sin)
     got_q, got_k = rope(positions, q, k)
@@ -23,13 +25,14 @@ def test_in_place_kernel_gives_the_torch_rotation_exactly(dtype):
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
-def test_prefill_sized_batches_and_interleaved_pairs_return_copies():
-    positions = torch.arange(rotary.KERNEL_TOKENS + 1)
+def test_interleaved_pairs_and_strided_heads_return_copies():
+    positions = torch.arange(40)
     q, k = torch.randn(len(positions), 4, 32), torch.randn(len(positions), 2, 32)
-    for rope in (RotaryEmbedding(32, 500.0), RotaryEmbedding(32, 500.0, interleaved=True)):
-        before = q.clone()
-        got_q, _ = rope(positions, q, k)
-        assert got_q.data_ptr() != q.data_ptr() and torch.equal(q, before)
+    wide = torch.randn(len(positions), 4, 64)[..., :32]  # heads not contiguous: the kernel does not take them
+    for rope, x in ((RotaryEmbedding(32, 500.0, interleaved=True), q), (RotaryEmbedding(32, 500.0), wide)):
+        before = x.clone()
+        got, _ = rope(positions, x, k)
+        assert got.data_ptr() != x.data_ptr() and torch.equal(x, before)
 
 
 @pytest.mark.parametrize("max_model_len, positions", [(64, [0, 5, 63]), (256, [0, 70, 255])],
