@@ -4,7 +4,7 @@ The runner orders each step's sequences decodes first (one query token each), th
 With the Triton kernels (CUDA, or the CPU interpreter) decodes and prefill chunks are each one launch reading
 the blocks in place. The plain-torch path attends decodes in one call (on CPU by a C kernel reading the
 blocks in place, elsewhere by SDPA over their gathered blocks) and each prefill chunk on its own, straight
-from this step's K/V when it has no earlier context.
+from this step's K/V when it has no earlier context (on CPU, float32 causal chunks by a C kernel).
 """
 from __future__ import annotations
 
@@ -256,7 +256,14 @@ class Attention(nn.Module):
                  meta: AttentionMetadata, flat_k: torch.Tensor, flat_v: torch.Tensor) -> torch.Tensor:
         p = meta.prefills[index]
         rows = slice(p.query_start, p.query_end)
-        if p.num_computed == 0 and self.sliding_window is None and self.chunk_size is None:
+        whole = self.sliding_window is None and self.chunk_size is None
+        if whole and self.plain and cpu_attention.prefill_serves(q, k, v):
+            if p.num_computed == 0:
+                keys, values = k[rows], v[rows]
+            else:  # this chunk's keys are in the cache already, after the earlier ones
+                keys, values = flat_k[p.context_slots].to(q.dtype), flat_v[p.context_slots].to(q.dtype)
+            return cpu_attention.causal_prefill_attention(q[rows], keys, values, self.scale, p.num_computed)
+        if p.num_computed == 0 and whole:
             return self._attend_rows(q[rows], k[rows], v[rows], None, causal=True)
         outs = []
         for lo, hi, first, mask in meta.prefill_blocks(index, self.sliding_window, self.chunk_size):

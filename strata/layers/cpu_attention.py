@@ -1,5 +1,5 @@
 """Decode attention straight from the paged KV cache on CPU, as a small C kernel compiled on first use
-(float32, or bfloat16 with float32 accumulation).
+(float32, or bfloat16 with float32 accumulation), and causal prefill attention (float32, flash style).
 
 Gathering every sequence's blocks into a padded batch for SDPA copies the whole context once per layer and
 step, which on CPU costs more than the attention itself; the kernel reads the blocks in place instead.
@@ -24,6 +24,44 @@ def _library() -> ctypes.CDLL | None:
         # The fused decode path (decode_layer.c) calls scored_decode_attention through a pointer too.
         "scored_decode_attention": ([PTR] * 6 + [I64] * 6 + [F32, PTR, I32, I32, PTR, PTR, I64, PTR, F32, PTR], I32),
         "zero_blocks": ([PTR, I64, PTR, I64, I64], None)})
+
+
+@functools.cache
+def _prefill_library() -> ctypes.CDLL | None:
+    return native.bind("prefill_attention", {
+        "causal_prefill_attention": ([PTR, I64, PTR, PTR, I64] + [I64] * 5 + [F32, PTR, I32], I32),
+        "prefill_attention_head_multiple": ([], I32)})
+
+
+def prefill_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `causal_prefill_attention` takes these float32 CPU heads: q [Q, Hq, D], k / v [K, Hkv, D], each
+    head's values contiguous, k and v rows one stride apart (views into a qkv output, or gathered copies), a head
+    size the build's tiles divide."""
+    if q.device.type != "cpu" or not q.dtype == k.dtype == v.dtype == torch.float32 or _prefill_library() is None:
+        return False
+    multiple = _prefill_library().prefill_attention_head_multiple()
+    d = q.shape[2]
+    return (multiple > 0 and d % multiple == 0 and q.stride(2) == 1 and q.stride(1) == d
+            and k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == d and q.shape[1] % k.shape[1] == 0)
+
+
+def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                             offset: int = 0) -> torch.Tensor:
+    """q: [Q, Hq, D] at positions offset .. offset + Q - 1 of a sequence, k / v: [offset + Q, Hkv, D] its keys
+    and values from position 0 (see `prefill_serves`); each query sees the keys up to its own position. `scale`
+    (> 0) multiplies the scores. Returns [Q, Hq, D]."""
+    queries, heads, head_dim = q.shape
+    if k.shape[0] != offset + queries:
+        raise ValueError(f"{k.shape[0]} keys for {queries} queries after {offset} earlier tokens")
+    out = torch.empty(queries, heads, head_dim, dtype=q.dtype)
+    status = _prefill_library().causal_prefill_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), queries, offset, heads, k.shape[1],
+        head_dim, scale, out.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("CPU prefill attention could not allocate its scratch memory")
+    if status != 0:
+        raise ValueError(f"CPU prefill attention does not take {heads} heads of {head_dim} over {k.shape[1]}")
+    return out
 
 
 def prepare() -> bool:

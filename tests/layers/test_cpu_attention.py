@@ -7,7 +7,7 @@ import torch
 from strata import native
 from strata.errors import ConfigError
 from strata.layers import cpu_attention
-from strata.layers.attention import Attention, AttentionMetadata
+from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
 
 pytestmark = pytest.mark.skipif(cpu_attention._library() is None, reason="no C compiler to build the kernel")
 
@@ -254,3 +254,81 @@ def test_block_zeroer_refuses_caches_it_cannot_address_alike():
     assert cpu_attention.BlockZeroer.create([torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 4)]) is None
     assert cpu_attention.BlockZeroer.create([torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8).bfloat16()]) is None
     assert cpu_attention.BlockZeroer.create([torch.zeros(4, 8, 2, 4).transpose(1, 2)]) is None
+
+
+def causal_reference(q, keys, values, offset, scale):
+    """float64: query r (position offset + r) attends keys 0 .. offset + r."""
+    group = q.shape[1] // keys.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (keys, values))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    visible = torch.arange(keys.shape[0])[None, :] <= torch.arange(offset, offset + q.shape[0])[:, None]
+    weights = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v).float()
+
+
+def head_multiple():
+    multiple = cpu_attention._prefill_library() and cpu_attention._prefill_library().prefill_attention_head_multiple()
+    if not multiple:
+        pytest.skip("no prefill attention kernel in this build")
+    return multiple
+
+
+@pytest.mark.parametrize("queries,offset,heads,kv_heads,dims", [
+    (7, 0, 4, 2, 1), (300, 0, 8, 2, 1), (100, 150, 4, 4, 2), (1, 40, 2, 1, 1), (49, 0, 6, 3, 4)])
+def test_causal_prefill_kernel_equals_attention_over_the_keys_each_query_sees(queries, offset, heads, kv_heads, dims):
+    """Query blocks of 48 and key blocks of 128, partial ones, keys before the chunk (offset), grouped heads; scores
+    spread wide (x4) so that the running maximum moves between key blocks."""
+    head_dim = head_multiple() * dims
+    g = torch.Generator().manual_seed(queries + offset)
+    qkv = torch.randn(queries, (heads + 2 * kv_heads) * head_dim, generator=g) * 4
+    q = qkv[:, : heads * head_dim].view(queries, heads, head_dim)  # rows a qkv output apart
+    keys, values = (torch.randn(offset + queries, kv_heads, head_dim, generator=g) for _ in range(2))
+    assert cpu_attention.prefill_serves(q, keys, values)
+    out = cpu_attention.causal_prefill_attention(q, keys, values, 0.3, offset)
+    torch.testing.assert_close(out, causal_reference(q, keys, values, offset, 0.3), atol=2e-5, rtol=1e-5)
+
+
+def test_avx2_build_of_the_prefill_kernel_equals_the_reference(avx2_build):
+    cpu_attention._prefill_library.cache_clear()
+    try:
+        head_dim = head_multiple() * 2
+        g = torch.Generator().manual_seed(1)
+        q, keys, values = (torch.randn(130, 4, head_dim, generator=g) for _ in range(3))
+        out = cpu_attention.causal_prefill_attention(q, keys[:, :2], values[:, :2], 0.2)
+        torch.testing.assert_close(out, causal_reference(q, keys[:, :2], values[:, :2], 0, 0.2), atol=1e-5, rtol=1e-5)
+    finally:
+        cpu_attention._prefill_library.cache_clear()
+
+
+def test_prefill_kernel_declines_what_it_does_not_read():
+    head_dim = head_multiple()
+    q, k = torch.randn(5, 2, head_dim), torch.randn(5, 1, head_dim)
+    assert cpu_attention.prefill_serves(q, k, k)
+    assert not cpu_attention.prefill_serves(q.bfloat16(), k.bfloat16(), k.bfloat16())
+    assert not cpu_attention.prefill_serves(torch.randn(5, 2, head_dim + 8)[..., :head_dim], k, k)  # strided heads
+    odd = torch.randn(5, 2, head_dim + 8)  # a head size the tiles do not divide
+    assert not cpu_attention.prefill_serves(odd, odd[:, :1], odd[:, :1])
+    with pytest.raises(ValueError, match="keys"):
+        cpu_attention.causal_prefill_attention(q, k, k, 0.3, offset=2)
+
+
+def test_attention_layer_prefill_after_cached_tokens_takes_the_kernel(monkeypatch):
+    """A chunk of 30 tokens after 21 cached ones, keys of the chunk and before it read from the paged cache."""
+    head_dim, block_size, num_computed, new = head_multiple() * 2, 4, 21, 30
+    seq_len, g = num_computed + new, torch.Generator().manual_seed(5)
+    layer = Attention(4, 2, head_dim, scale=0.25)
+    layer.k_cache, layer.v_cache = (torch.zeros(16, block_size, 2, head_dim) for _ in range(2))
+    slots = torch.randperm(16 * block_size, generator=g)[:seq_len]
+    keys, values = (torch.randn(seq_len, 2, head_dim, generator=g) for _ in range(2))
+    layer.k_cache.view(-1, 2, head_dim)[slots[:num_computed]] = keys[:num_computed]
+    layer.v_cache.view(-1, 2, head_dim)[slots[:num_computed]] = values[:num_computed]
+    q = torch.randn(new, 4, head_dim, generator=g)
+    meta = AttentionMetadata(slots[num_computed:], 0, torch.zeros(0, 1, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.long), [PrefillChunk(0, new, num_computed, slots)], block_size)
+    calls = []
+    kernel = cpu_attention.causal_prefill_attention
+    monkeypatch.setattr(cpu_attention, "causal_prefill_attention", lambda *a: calls.append(a[-1]) or kernel(*a))
+    out = layer(q, keys[num_computed:], values[num_computed:], meta)
+    assert calls == [num_computed]
+    want = causal_reference(q, keys, values, num_computed, 0.25).flatten(1)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
