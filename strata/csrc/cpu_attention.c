@@ -26,10 +26,9 @@ static void softmax_rows(float *scores, int64_t n, int64_t num_q, float softcap,
         float top = s[0], total = 0.f;
         for (int64_t i = 1; i < n; i++) top = s[i] > top ? s[i] : top;
         if (sinks && sinks[j] > top) top = sinks[j];
-        _Pragma("omp simd reduction(+ : total)") for (int64_t i = 0; i < n; i++) {
-            s[i] = fast_exp(s[i] - top);
-            total += s[i];
-        }
+        _Pragma("omp simd") for (int64_t i = 0; i < n; i++) s[i] -= top;
+        fast_exp_in_place(s, n);
+        _Pragma("omp simd reduction(+ : total)") for (int64_t i = 0; i < n; i++) total += s[i];
         if (sinks) total += fast_exp(sinks[j] - top);
         for (int64_t i = 0; i < n; i++) s[i] /= total;
     }

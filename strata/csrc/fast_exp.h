@@ -56,4 +56,16 @@ DEFINE_FAST_EXP_VEC(fast_exp16, __m512, _mm512, __m512i, _mm512_cvttps_epi32, _m
 #undef DEFINE_FAST_EXP_VEC
 #endif
 
+/* x[i] = fast_exp(x[i]) for i < n, 16 or 8 at a time where the build has the vector forms. */
+static inline void fast_exp_in_place(float *x, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__FMA__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, fast_exp16(_mm512_loadu_ps(x + i)));
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, fast_exp8(_mm256_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) x[i] = fast_exp(x[i]);
+}
+
 #endif

@@ -21,7 +21,6 @@ typedef __m512 vec_t;
 #define vec_set1 _mm512_set1_ps
 #define vec_add _mm512_add_ps
 #define vec_fmadd _mm512_fmadd_ps
-#define vec_exp fast_exp16
 #else
 #define LANES 8
 typedef __m256 vec_t;
@@ -31,7 +30,6 @@ typedef __m256 vec_t;
 #define vec_set1 _mm256_set1_ps
 #define vec_add _mm256_add_ps
 #define vec_fmadd _mm256_fmadd_ps
-#define vec_exp fast_exp8
 #endif
 
 #define NR (2 * LANES) /* keys (scores) or head dimensions (output) of one tile: two registers */
@@ -125,10 +123,10 @@ static void task(const problem_t *p, int64_t h, int64_t r0, int64_t rows, float 
 #pragma omp simd reduction(max : highest)
             for (int64_t j = 0; j < seen; j++) highest = sr[j] > highest ? sr[j] : highest;
             const float block_top = seen && highest * p->scale > top[r] ? highest * p->scale : top[r];
-            const float rescale = fast_exp(top[r] - block_top);
-            const vec_t scale = vec_set1(p->scale), shift = vec_set1(-block_top);
-            for (int64_t j = 0; j < seen; j += LANES) /* whole vectors: the row has KB places */
-                vec_store(sr + j, vec_exp(vec_fmadd(vec_load(sr + j), scale, shift)));
+            const float rescale = fast_exp(top[r] - block_top), scale = p->scale;
+#pragma omp simd
+            for (int64_t j = 0; j < seen; j++) sr[j] = sr[j] * scale - block_top;
+            fast_exp_in_place(sr, seen);
             for (int64_t j = seen; j < kc; j++) sr[j] = 0.f;
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
