@@ -74,6 +74,34 @@ static inline void widen_outputs(__m128i u, const __m256 zero[2], const __m256 s
     _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_sub_ps(hi, zero[1]), scale[1]));
 }
 
+/* t[r]: 32 byte values of row r of 16 (values 0-15 in the low 128-bit lane, 16-31 in the high one) -> t[j]: value j
+   of the 16 rows (high lane: value j + 16), through byte, word, dword and qword interleaves. */
+static inline __attribute__((always_inline)) void transpose_bytes16(__m256i t[NR]) {
+    __m256i u[NR];
+    /* in each 128-bit lane (values 0-15, 16-31): bytes of rows 2p, 2p + 1, then words of 4 rows, dwords of 8,
+       qwords of 16; u[8h + 4l + 2m + o] ends holding value 8h + 4l + 2m + o of the 16 rows (high lane: + 16) */
+    for (int p = 0; p < 8; p++) {
+        u[2 * p] = _mm256_unpacklo_epi8(t[2 * p], t[2 * p + 1]);
+        u[2 * p + 1] = _mm256_unpackhi_epi8(t[2 * p], t[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; q++) /* rows 4q .. 4q + 3; u[4q + h] holds values 8h .. 8h + 7 of rows 4q, 4q + 1 */
+        for (int h = 0; h < 2; h++) {
+            t[4 * q + 2 * h] = _mm256_unpacklo_epi16(u[4 * q + h], u[4 * q + 2 + h]);
+            t[4 * q + 2 * h + 1] = _mm256_unpackhi_epi16(u[4 * q + h], u[4 * q + 2 + h]);
+        }
+    /* t[4q + 2h + l]: values 8h + 4l .. + 3 of rows 4q .. 4q + 3 */
+    for (int e = 0; e < 2; e++) /* rows 8e .. 8e + 7 from row quads 2e, 2e + 1 */
+        for (int hl = 0; hl < 4; hl++) {
+            u[8 * e + 2 * hl] = _mm256_unpacklo_epi32(t[8 * e + hl], t[8 * e + 4 + hl]);
+            u[8 * e + 2 * hl + 1] = _mm256_unpackhi_epi32(t[8 * e + hl], t[8 * e + 4 + hl]);
+        }
+    /* u[8e + 2(2h + l) + m]: values 8h + 4l + 2m, + 1 of rows 8e .. 8e + 7 */
+    for (int v = 0; v < 8; v++) {
+        t[2 * v] = _mm256_unpacklo_epi64(u[v], u[8 + v]);
+        t[2 * v + 1] = _mm256_unpackhi_epi64(u[v], u[8 + v]);
+    }
+}
+
 /* pack_strip for int8 and int4: the 16 rows' bytes are transposed before they are widened (a quarter of the data
    a transpose of floats moves, in four rounds of byte, word, dword and qword interleaves), then each value of K
    widens its 16 outputs at once, each with its own row's scale and zero point. Rows past n read row n - 1 with
@@ -99,34 +127,53 @@ static inline __attribute__((always_inline)) void pack_strip_bytes(const weights
             }
             group = g;
         }
-        __m256i t[NR], u[NR];
+        __m256i t[NR];
         for (int r = 0; r < NR; r++) t[r] = block_values(KIND, row[r], b);
-        /* in each 128-bit lane (values 0-15, 16-31): bytes of rows 2p, 2p + 1, then words of 4 rows, dwords of 8,
-           qwords of 16; u[8h + 4l + 2m + o] ends holding value 8h + 4l + 2m + o of the 16 rows (high lane: + 16) */
-        for (int p = 0; p < 8; p++) {
-            u[2 * p] = _mm256_unpacklo_epi8(t[2 * p], t[2 * p + 1]);
-            u[2 * p + 1] = _mm256_unpackhi_epi8(t[2 * p], t[2 * p + 1]);
-        }
-        for (int q = 0; q < 4; q++) /* rows 4q .. 4q + 3; u[4q + h] holds values 8h .. 8h + 7 of rows 4q, 4q + 1 */
-            for (int h = 0; h < 2; h++) {
-                t[4 * q + 2 * h] = _mm256_unpacklo_epi16(u[4 * q + h], u[4 * q + 2 + h]);
-                t[4 * q + 2 * h + 1] = _mm256_unpackhi_epi16(u[4 * q + h], u[4 * q + 2 + h]);
-            }
-        /* t[4q + 2h + l]: values 8h + 4l .. + 3 of rows 4q .. 4q + 3 */
-        for (int e = 0; e < 2; e++) /* rows 8e .. 8e + 7 from row quads 2e, 2e + 1 */
-            for (int hl = 0; hl < 4; hl++) {
-                u[8 * e + 2 * hl] = _mm256_unpacklo_epi32(t[8 * e + hl], t[8 * e + 4 + hl]);
-                u[8 * e + 2 * hl + 1] = _mm256_unpackhi_epi32(t[8 * e + hl], t[8 * e + 4 + hl]);
-            }
-        /* u[8e + 2(2h + l) + m]: values 8h + 4l + 2m, + 1 of rows 8e .. 8e + 7 */
-        for (int v = 0; v < 8; v++) {
-            t[2 * v] = _mm256_unpacklo_epi64(u[v], u[8 + v]);
-            t[2 * v + 1] = _mm256_unpackhi_epi64(u[v], u[8 + v]);
-        }
+        transpose_bytes16(t);
         /* t[2v + o]: value 2v + o (v = 4h + 2l + m) of the 16 rows, high lane value 2v + o + 16 */
         for (int j = 0; j < 16; j++) {
             widen_outputs(_mm256_castsi256_si128(t[j]), zero, scale, panel + (i + j) * NR);
             widen_outputs(_mm256_extracti128_si256(t[j], 1), zero, scale, panel + (i + j + 16) * NR);
+        }
+    }
+}
+
+/* pack_strip for the GGUF kinds, as for int8 and int4: each run of 32 values of the 16 rows is extracted as bytes
+   with its per-16-value scale and offset (gguf_run_bytes), transposed, and each value of K widened for its 16
+   outputs as q * scale + offset, each row's: the values the row-by-row widening gives. Rows past n read row n - 1
+   with scale and offset 0. */
+static inline __attribute__((always_inline)) void pack_strip_gguf(const weights_t *w, int64_t n0, int64_t k0,
+                                                                 int64_t kc, const int KIND, float *panel) {
+    const int64_t per_block = gguf_block_values(KIND), block_bytes = gguf_block_bytes(KIND);
+    const uint8_t *row[NR];
+    for (int r = 0; r < NR; r++) row[r] = w->data + (n0 + r < w->n ? n0 + r : w->n - 1) * w->row_bytes;
+    for (int64_t i = 0; i < kc; i += 32) {
+        const int64_t k = k0 + i, block = k / per_block * block_bytes;
+        const int run = (int)(k % per_block / 32);
+        float scale[2][NR], offset[2][NR]; /* [half of the run][row] */
+        __m256i t[NR];
+        for (int r = 0; r < NR; r++) {
+            __m128i q[2];
+            float sc[2], off[2];
+            gguf_run_bytes(KIND, row[r] + block, run, q, sc, off);
+            t[r] = _mm256_set_m128i(q[1], q[0]);
+            const int live = n0 + r < w->n;
+            for (int h = 0; h < 2; h++) scale[h][r] = live ? sc[h] : 0.f, offset[h][r] = live ? off[h] : 0.f;
+        }
+        transpose_bytes16(t);
+        const int is_signed = KIND == KIND_Q8_0;
+        for (int h = 0; h < 2; h++) { /* values 16h .. 16h + 15 of the run: lane h of each t[j] */
+            const __m256 sc[2] = {_mm256_loadu_ps(scale[h]), _mm256_loadu_ps(scale[h] + 8)};
+            const __m256 off[2] = {_mm256_loadu_ps(offset[h]), _mm256_loadu_ps(offset[h] + 8)};
+            for (int j = 0; j < 16; j++) {
+                const __m128i u = h ? _mm256_extracti128_si256(t[j], 1) : _mm256_castsi256_si128(t[j]);
+                for (int e = 0; e < 2; e++) { /* rows 8e .. 8e + 7 */
+                    const __m128i part = e ? _mm_srli_si128(u, 8) : u;
+                    const __m256i q = is_signed ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+                    _mm256_storeu_ps(panel + (i + 16 * h + j) * NR + 8 * e,
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), sc[e], off[e]));
+                }
+            }
         }
     }
 }
@@ -136,10 +183,18 @@ static inline __attribute__((always_inline)) void pack_strip_bytes(const weights
    written: KC is one), through rows [16][KC]. */
 static void pack_strip(const weights_t *w, int64_t n0, int64_t k0, int64_t kc, float *rows, float *panel) {
 #if USE_AVX2
-    if (w->kind == KIND_INT8 || w->kind == KIND_INT4) {
-        if (w->kind == KIND_INT8) pack_strip_bytes(w, n0, k0, kc, KIND_INT8, panel);
-        else pack_strip_bytes(w, n0, k0, kc, KIND_INT4, panel);
-        return;
+    switch (w->kind) { /* constant kinds, so each extraction inlines */
+    case KIND_INT8: pack_strip_bytes(w, n0, k0, kc, KIND_INT8, panel); return;
+    case KIND_INT4: pack_strip_bytes(w, n0, k0, kc, KIND_INT4, panel); return;
+    case KIND_Q4_0: pack_strip_gguf(w, n0, k0, kc, KIND_Q4_0, panel); return;
+    case KIND_Q4_1: pack_strip_gguf(w, n0, k0, kc, KIND_Q4_1, panel); return;
+    case KIND_Q5_0: pack_strip_gguf(w, n0, k0, kc, KIND_Q5_0, panel); return;
+    case KIND_Q5_1: pack_strip_gguf(w, n0, k0, kc, KIND_Q5_1, panel); return;
+    case KIND_Q8_0: pack_strip_gguf(w, n0, k0, kc, KIND_Q8_0, panel); return;
+    case KIND_Q4_K: pack_strip_gguf(w, n0, k0, kc, KIND_Q4_K, panel); return;
+    case KIND_Q5_K: pack_strip_gguf(w, n0, k0, kc, KIND_Q5_K, panel); return;
+    case KIND_Q6_K: pack_strip_gguf(w, n0, k0, kc, KIND_Q6_K, panel); return;
+    default: break;
     }
 #endif
     for (int r = 0; r < NR; r++) {
