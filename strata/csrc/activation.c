@@ -19,7 +19,7 @@ static inline float gelu_tanh_exponent(float g) { return -2.f * (0.7978845608028
 
 #define CHUNK 256 /* values of a row whose exponentials are taken together, 16 or 8 at a time (fast_exp.h) */
 
-/* out = gate(gate) * up, row by row; gate_up: [rows, 2 * width] (gate then up, contiguous); out: [rows, width]. */
+/* out = activation(gate) * up, row by row; gate_up: [rows, 2 * width] (gate then up, contiguous); out: [rows, width]. */
 #define DEFINE_GATED_MUL(NAME, EXPONENT, T, LOAD, STORE)                                                       \
     static void NAME(const T *gate_up, T *out, int64_t rows, int64_t width) {                                  \
         _Pragma("omp parallel for if (rows >= THREADED_ROWS) schedule(static)")                                \

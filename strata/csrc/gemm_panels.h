@@ -1,6 +1,6 @@
 /* How the GEMM (weight_gemm.c) lays out its operands: weight panels [kc][16], each output's values widened to float32
-   once a call (int8 and int4 transposed as bytes first, other kinds widened row by row, then transposed as
-   floats), and x in blocks of 6 rows. Included by weight_gemm.c after its tile sizes. */
+   once a call (int8, int4 and the quantized GGUF kinds transposed as bytes first, other kinds widened row by row,
+   then transposed as floats), and x in blocks of 6 rows. Included by weight_gemm.c after its tile sizes. */
 #ifndef STRATA_GEMM_PANELS_H
 #define STRATA_GEMM_PANELS_H
 
