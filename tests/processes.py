@@ -12,17 +12,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def served_store():
-    """A torch.distributed TCPStore served by this (the test's) process on a port the OS picks, for spawned ranks
-    to join as clients (`TCPStore("127.0.0.1", store.port, world, False, timeout)`); keep it until they are done.
-    A port found free here and bound by rank 0 seconds later could be taken in between."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-
-
 def alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:
@@ -86,9 +75,9 @@ def wait_reaped(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def leave_process_group() -> None:
-    """End a spawned test rank's torch.distributed membership. The barrier keeps a rank from tearing its part down
-    while a peer still uses it (rank 0 serves the TCPStore where a test does not serve it itself): without it a rank
-    now and then aborts at exit ("terminate called without an active exception") on a loaded 2-core machine."""
+    """End a spawned test rank's torch.distributed membership. The barrier keeps rank 0 (whose TCPStore every
+    rank talks through) from tearing the store down while a peer still uses it: without it a rank now and then
+    aborts at exit ("terminate called without an active exception") on a loaded 2-core machine."""
     import torch.distributed as dist
 
     dist.barrier()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from processes import leave_process_group, served_store
+from processes import free_port, leave_process_group
 
 from strata.config import EngineConfig
 from strata.distributed import ParallelContext, StepSize
@@ -86,7 +86,7 @@ def _rank_main(rank: int, port: int, paths: list[str], folder: str) -> None:
 
     torch.set_num_threads(1)
     world = TP * PP
-    store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=120))
     pc = init_distributed(rank, world, TP, store, "gloo", timedelta(seconds=120), local_ranks=range(world))
     calls: list = []
     ParallelContext.all_reduce = _record(calls, "all_reduce", ParallelContext.all_reduce)
@@ -117,8 +117,7 @@ def counted(checkpoints, tmp_path_factory) -> dict[str, list]:
     """{checkpoint: [[rank 0's collectives in each step], ...]} from the real tp=2 x pp=2 run."""
     folder = tmp_path_factory.mktemp("plan_collectives_counts")
     paths = [str(p) for p in checkpoints.values()]
-    store = served_store()  # the ranks join it; held until they are done
-    mp.spawn(_rank_main, args=(store.port, paths, str(folder)), nprocs=TP * PP)
+    mp.spawn(_rank_main, args=(free_port(), paths, str(folder)), nprocs=TP * PP)
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(TP * PP)]
     return {name: [ranks[r][str(path)] for r in range(TP * PP)] for name, path in checkpoints.items()}
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from processes import leave_process_group, served_store
+from processes import free_port, leave_process_group
 
 from strata.distributed import IntermediateTensors
 from strata.executor import shm_collectives
@@ -24,7 +24,7 @@ def _tensor(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float3
 
 def _rank_main(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
     pc = init_distributed(rank, world, world, store, "gloo", timedelta(seconds=60), local_ranks=range(world))
     assert pc.tp_shm is not None
     # A slot holds 1 MiB: 300,000 floats take two rounds.
@@ -53,13 +53,12 @@ def _rank_main(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_shared_memory_all_reduce_and_all_gather_match_the_sums(world):
-    store = served_store()  # the ranks join it; held until they are done
-    mp.spawn(_rank_main, args=(world, store.port), nprocs=world)
+    mp.spawn(_rank_main, args=(world, free_port()), nprocs=world)
 
 
 def _one_rank_per_machine_main(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
     pc = init_distributed(rank, world, world, store, "gloo", timedelta(seconds=60), local_ranks=range(rank, rank + 1))
     assert pc.tp_shm is None
     x = _tensor(rank, (5,))
@@ -68,13 +67,12 @@ def _one_rank_per_machine_main(rank: int, world: int, port: int) -> None:
 
 
 def test_tp_groups_spanning_machines_keep_gloo():
-    store = served_store()  # the ranks join it; held until they are done
-    mp.spawn(_one_rank_per_machine_main, args=(2, store.port), nprocs=2)
+    mp.spawn(_one_rank_per_machine_main, args=(2, free_port()), nprocs=2)
 
 
 def _stages_main(rank: int, port: int) -> None:
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
     pc = init_distributed(rank, 2, 1, store, "gloo", timedelta(seconds=60), local_ranks=range(2))
     assert (pc.send_channel is not None) == (rank == 0) and (pc.recv_channel is not None) == (rank == 1)
     # Sizes around the 4 MiB slots and beyond all four of them (the sender then waits for the receiver).
@@ -91,8 +89,7 @@ def _stages_main(rank: int, port: int) -> None:
 
 
 def test_stage_hand_off_through_shared_memory_is_exact_and_in_order():
-    store = served_store()  # the ranks join it; held until they are done
-    mp.spawn(_stages_main, args=(store.port,), nprocs=2)
+    mp.spawn(_stages_main, args=(free_port(),), nprocs=2)
 
 
 def _no_room_main(rank: int, tp_size: int, port: int) -> None:
@@ -103,7 +100,7 @@ def _no_room_main(rank: int, tp_size: int, port: int) -> None:
 
     shm_collectives.os.posix_fallocate = full  # this process only
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
     pc = init_distributed(rank, 2, tp_size, store, "gloo", timedelta(seconds=60), local_ranks=range(2))
     assert pc.tp_shm is None and pc.send_channel is None and pc.recv_channel is None
     if tp_size == 2:
@@ -118,5 +115,4 @@ def _no_room_main(rank: int, tp_size: int, port: int) -> None:
 
 @pytest.mark.parametrize("tp_size", [2, 1])
 def test_a_full_shared_memory_falls_back_to_gloo(tp_size):
-    store = served_store()  # the ranks join it; held until they are done
-    mp.spawn(_no_room_main, args=(tp_size, store.port), nprocs=2)
+    mp.spawn(_no_room_main, args=(tp_size, free_port()), nprocs=2)

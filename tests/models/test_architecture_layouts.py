@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from arch_checkpoints import random_prompts
-from processes import leave_process_group, served_store
+from processes import free_port, leave_process_group
 
 from strata.config import EngineConfig
 from strata.distributed import ParallelContext, StepSize
@@ -106,7 +106,7 @@ def _rank_main(rank: int, port: int, paths: list[str], folder: str) -> None:
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=120)
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
     pp = init_distributed(rank, 2, 1, store, "gloo", timeout, local_ranks=range(2))
     tp = ParallelContext(tp_rank=rank, tp_size=2, tp_group=dist.new_group([0, 1]), world_group=dist.group.WORLD)
     calls: list = []
@@ -122,8 +122,7 @@ def runs(arch_path, tmp_path_factory) -> dict[str, dict]:
     """{name: {"one": single process, "pp2" / "tp2": [rank 0's, rank 1's]}}."""
     paths = {name: str(arch_path(name, tied)) for name, tied in CHECKPOINTS}
     folder = tmp_path_factory.mktemp("architecture_layouts")
-    store = served_store()  # the ranks join it; held until they are done
-    mp.spawn(_rank_main, args=(store.port, list(paths.values()), str(folder)), nprocs=2)
+    mp.spawn(_rank_main, args=(free_port(), list(paths.values()), str(folder)), nprocs=2)
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
     return {name: {"one": greedy(path, ParallelContext()), "path": path,
                    **{layout: [ranks[r][path][layout] for r in range(2)] for layout in ("pp2", "tp2")}}
