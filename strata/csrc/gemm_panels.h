@@ -32,7 +32,8 @@ static inline __attribute__((always_inline)) void widen_blocks(const weights_t *
 static void widen_row(const weights_t *w, int64_t r, int64_t k0, int64_t kc, float *dst) {
     const int quantized = scaled(w->kind);
     int64_t i = 0;
-    if (gguf_block_values(w->kind)) { /* panels hold whole runs of 32: K is whole blocks, KC a multiple of 32 */
+    /* GGUF blocks (plain C builds; AVX2 takes pack_strip_gguf): whole runs of 32, K is whole blocks, KC a multiple */
+    if (gguf_block_values(w->kind)) {
         gguf_row_floats(w->kind, w->data + r * w->row_bytes, k0, kc, dst);
         return;
     }
