@@ -4,12 +4,27 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
+
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_ranks(main: Callable, nprocs: int, args_for_port: Callable[[int], tuple], tries: int = 3) -> None:
+    """mp.spawn(main, args_for_port(port)) on a port found free. Rank 0 binds it seconds later, when another
+    process may have taken it: only that failure (EADDRINUSE in a rank's traceback) is tried again, on a new port."""
+    for attempt in range(tries):
+        try:
+            mp.spawn(main, args=args_for_port(free_port()), nprocs=nprocs)
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == tries - 1:
+                raise
 
 
 def alive(pid: int) -> bool:

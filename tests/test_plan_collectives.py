@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from processes import free_port, leave_process_group
+from processes import leave_process_group, spawn_ranks
 
 from strata.config import EngineConfig
 from strata.distributed import ParallelContext, StepSize
@@ -117,7 +116,7 @@ def counted(checkpoints, tmp_path_factory) -> dict[str, list]:
     """{checkpoint: [[rank 0's collectives in each step], ...]} from the real tp=2 x pp=2 run."""
     folder = tmp_path_factory.mktemp("plan_collectives_counts")
     paths = [str(p) for p in checkpoints.values()]
-    mp.spawn(_rank_main, args=(free_port(), paths, str(folder)), nprocs=TP * PP)
+    spawn_ranks(_rank_main, TP * PP, lambda port: (port, paths, str(folder)))
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(TP * PP)]
     return {name: [ranks[r][str(path)] for r in range(TP * PP)] for name, path in checkpoints.items()}
 

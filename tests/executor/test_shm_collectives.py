@@ -7,8 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from processes import free_port, leave_process_group
+from processes import leave_process_group, spawn_ranks
 
 from strata.distributed import IntermediateTensors
 from strata.executor import shm_collectives
@@ -53,7 +52,7 @@ def _rank_main(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_shared_memory_all_reduce_and_all_gather_match_the_sums(world):
-    mp.spawn(_rank_main, args=(world, free_port()), nprocs=world)
+    spawn_ranks(_rank_main, world, lambda port: (world, port))
 
 
 def _one_rank_per_machine_main(rank: int, world: int, port: int) -> None:
@@ -67,7 +66,7 @@ def _one_rank_per_machine_main(rank: int, world: int, port: int) -> None:
 
 
 def test_tp_groups_spanning_machines_keep_gloo():
-    mp.spawn(_one_rank_per_machine_main, args=(2, free_port()), nprocs=2)
+    spawn_ranks(_one_rank_per_machine_main, 2, lambda port: (2, port))
 
 
 def _stages_main(rank: int, port: int) -> None:
@@ -89,7 +88,7 @@ def _stages_main(rank: int, port: int) -> None:
 
 
 def test_stage_hand_off_through_shared_memory_is_exact_and_in_order():
-    mp.spawn(_stages_main, args=(free_port(),), nprocs=2)
+    spawn_ranks(_stages_main, 2, lambda port: (port,))
 
 
 def _no_room_main(rank: int, tp_size: int, port: int) -> None:
@@ -115,4 +114,4 @@ def _no_room_main(rank: int, tp_size: int, port: int) -> None:
 
 @pytest.mark.parametrize("tp_size", [2, 1])
 def test_a_full_shared_memory_falls_back_to_gloo(tp_size):
-    mp.spawn(_no_room_main, args=(tp_size, free_port()), nprocs=2)
+    spawn_ranks(_no_room_main, 2, lambda port: (tp_size, port))

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from arch_checkpoints import random_prompts
-from processes import free_port, leave_process_group
+from processes import leave_process_group, spawn_ranks
 
 from strata.config import EngineConfig
 from strata.distributed import ParallelContext, StepSize
@@ -122,7 +121,7 @@ def runs(arch_path, tmp_path_factory) -> dict[str, dict]:
     """{name: {"one": single process, "pp2" / "tp2": [rank 0's, rank 1's]}}."""
     paths = {name: str(arch_path(name, tied)) for name, tied in CHECKPOINTS}
     folder = tmp_path_factory.mktemp("architecture_layouts")
-    mp.spawn(_rank_main, args=(free_port(), list(paths.values()), str(folder)), nprocs=2)
+    spawn_ranks(_rank_main, 2, lambda port: (port, list(paths.values()), str(folder)))
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
     return {name: {"one": greedy(path, ParallelContext()), "path": path,
                    **{layout: [ranks[r][path][layout] for r in range(2)] for layout in ("pp2", "tp2")}}

@@ -216,15 +216,14 @@ def layouts(gemma_path, tmp_path_factory) -> dict[str, dict]:
     of test_architecture_layouts: one pair of processes for all of them)."""
     import json
 
-    import torch.multiprocessing as mp
-    from processes import free_port
+    from processes import spawn_ranks
     from test_architecture_layouts import _rank_main, greedy
 
     from strata.distributed import ParallelContext
 
     paths = {name: str(gemma_path(name, tied)) for name, tied in (("gemma2", True), ("gemma3", False))}
     folder = tmp_path_factory.mktemp("gemma_layouts")
-    mp.spawn(_rank_main, args=(free_port(), list(paths.values()), str(folder)), nprocs=2)
+    spawn_ranks(_rank_main, 2, lambda port: (port, list(paths.values()), str(folder)))
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
     return {name: {"one": greedy(path, ParallelContext()), "pp2": ranks[1][path]["pp2"],
                    "tp2": ranks[0][path]["tp2"]} for name, path in paths.items()}

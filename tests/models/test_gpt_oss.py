@@ -146,15 +146,14 @@ def test_yarn_frequencies_and_attention_factor_match_transformers(rope):
 def layouts(gpt_oss_path, tmp_path_factory) -> dict[str, dict]:
     """Greedy runs of both checkpoints in one process and across two gloo ranks as PP=2 and as TP=2 (the
     machinery of test_architecture_layouts: one pair of processes for all of them)."""
-    import torch.multiprocessing as mp
-    from processes import free_port
+    from processes import spawn_ranks
     from test_architecture_layouts import _rank_main, greedy
 
     from strata.distributed import ParallelContext
 
     paths = {name: str(gpt_oss_path(tied)) for name, tied in (("untied", False), ("tied", True))}
     folder = tmp_path_factory.mktemp("gpt_oss_layouts")
-    mp.spawn(_rank_main, args=(free_port(), list(paths.values()), str(folder)), nprocs=2)
+    spawn_ranks(_rank_main, 2, lambda port: (port, list(paths.values()), str(folder)))
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
     return {name: {"one": greedy(path, ParallelContext()), "pp2": ranks[1][path]["pp2"],
                    "tp2": ranks[0][path]["tp2"]} for name, path in paths.items()}
