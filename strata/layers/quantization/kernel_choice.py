@@ -182,17 +182,30 @@ def gemm_engine(kind: int) -> str | None:
     return engine
 
 
-_CROSSOVER_ROWS = (8, 12, 16)  # rows timed against the GEMM
+# Rows timed against the GEMM: every count from 8 to 12, where a verification step of 8 drafts (9 rows) falls.
+_CROSSOVER_ROWS = (8, 9, 10, 11, 12, 14, 16)
+_COPIES_BYTES, _MOST_COPIES = 32 << 20, 64  # what a crossover timing cycles through: far more than L2 holds
+
+
+def _weight_copies(operands: dict) -> list[dict]:
+    """The operands with copies of the weight, up to _COPIES_BYTES in all: a product timed on one weight again and
+    again reads it from the core's caches, where a model's layers read theirs from memory. The GEMM pays more for
+    that (SmolLM2's Q4_1 [3072 x 576] at 9 rows on two Xeon cores, small-batch kernel / AMX GEMM: 187 / 183 us on
+    one weight, 209 / 246 on 60 copies)."""
+    weight = operands["weight"]
+    count = max(1, min(_MOST_COPIES, _COPIES_BYTES // max(1, weight.nbytes)))
+    return [operands] + [{**operands, "weight": weight.clone()} for _ in range(count - 1)]
 
 
 def measure_small_batch_rows(operands: dict, k: int) -> int:
     """Times the small-batch kernel and the GEMM at _CROSSOVER_ROWS rows of x [rows, k] on one weight (cpu_matmul's
-    keywords) and returns the most rows up to which the small-batch kernel is faster at every count timed (7 when
-    it loses at 8: fewer rows are not timed, the kernel reads each weight row once for all of them)."""
-    times = []
+    keywords), each call a pass over copies of it, and returns the most rows up to which the small-batch kernel is
+    faster at every count timed (7 when it loses at 8: fewer rows are not timed, the kernel reads each weight row
+    once for all of them)."""
+    copies, times = _weight_copies(operands), []
     for rows in _CROSSOVER_ROWS:
         x = torch.randn(rows, k)
-        times.append(tuple(_best_seconds(lambda product=product, x=x: product(x, **operands))
+        times.append(tuple(_best_seconds(lambda product=product, x=x: [product(x, **c) for c in copies])
                            for product in (cpu_matmul.matmul, cpu_matmul.narrow_gemm)))
     chosen = _CROSSOVER_ROWS[0] - 1
     for rows, (small, gemm) in zip(_CROSSOVER_ROWS, times, strict=True):
@@ -200,8 +213,10 @@ def measure_small_batch_rows(operands: dict, k: int) -> int:
             break
         chosen = rows
     logger.info("kernel choice for %s [%d x %d]: small-batch kernel up to %d rows, then the GEMM (us small / GEMM "
-                "at %s rows: %s)", kind_name(operands["kind"]), operands["out_features"], k, chosen,
-                "/".join(map(str, _CROSSOVER_ROWS)), ", ".join(f"{1e6 * a:.0f}/{1e6 * b:.0f}" for a, b in times))
+                "a product at %s rows, timed on %s: %s)", kind_name(operands["kind"]), operands["out_features"], k,
+                chosen, "/".join(map(str, _CROSSOVER_ROWS)),
+                f"{len(copies)} copies of the weight" if len(copies) > 1 else "the weight alone",
+                ", ".join(f"{1e6 * a / len(copies):.0f}/{1e6 * b / len(copies):.0f}" for a, b in times))
     return chosen
 
 

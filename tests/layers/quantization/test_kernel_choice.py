@@ -181,3 +181,32 @@ def test_small_batch_crossover_is_measured_per_shape_on_amx_then_read_from_the_c
     assert timed == [(96, 256), (160, 256)]  # another shape is timed on its own
     [cache] = kernel_choice.native.cache_dir().glob("*-choices.json")
     assert json.loads(cache.read_text())["small-batch Q4_0 96x256 AMX"] == rows
+
+
+def test_crossover_timing_reads_copies_of_the_weight_as_a_model_reads_its_weights_from_memory(monkeypatch):
+    """Timed again and again on one weight, a product reads it from L2, where the GEMM pays less for it than from
+    memory: every timed call passes over distinct copies of the same values, every row count from 8 to 12 timed."""
+    weight = torch.randint(0, 256, (64, 512), dtype=torch.uint8)  # 32 KiB: the cap on copies applies
+    seen: dict[str, set] = {"small": set(), "gemm": set()}
+    rows_timed = []
+
+    def product(name):
+        def run(x, weight, **_):
+            assert torch.equal(weight, operands["weight"])
+            seen[name].add(weight.data_ptr())
+            if name == "small":
+                rows_timed.append(x.shape[0])
+            return torch.zeros(x.shape[0], 64)
+        return run
+
+    monkeypatch.setattr(kernel_choice.cpu_matmul, "matmul", product("small"))
+    monkeypatch.setattr(kernel_choice.cpu_matmul, "narrow_gemm", product("gemm"))
+    operands = {"weight": weight, "kind": cpu_matmul.KIND_INT8, "out_features": 64}
+    kernel_choice.measure_small_batch_rows(operands, 512)
+    assert len(seen["small"]) == len(seen["gemm"]) == kernel_choice._MOST_COPIES
+    assert sorted(set(rows_timed)) == [8, 9, 10, 11, 12, 14, 16]
+    third = kernel_choice._COPIES_BYTES // 3 // 512
+    large = {**operands, "weight": torch.zeros(third, 512, dtype=torch.uint8)}
+    assert len(kernel_choice._weight_copies(large)) == 3  # up to _COPIES_BYTES in all
+    huge = {**operands, "weight": torch.zeros(3 * third + 1, 512, dtype=torch.uint8)}
+    assert len(kernel_choice._weight_copies(huge)) == 1
