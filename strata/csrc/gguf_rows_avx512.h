@@ -1,5 +1,6 @@
 /* AVX-512 products of GGUF block weights by 1-12 rows of x in one pass over each weight row (included by
-   gguf_matmul.h): a 32-value run widened once into two 16-float registers, then one FMA per register and row of x.
+   gguf_matmul.h): a 32-value run widened once into two 16-float registers (4-bit kinds by table lookup), then one
+   FMA per register and row of x.
    A verification step of speculative decoding (k + 1 rows) so widens each run once, where the 8-, 4- and 1-row
    passes of the AVX2 kernel widened it two or three times; past a few rows the FMAs bound the step. */
 #ifndef STRATA_GGUF_ROWS_AVX512_H
@@ -11,6 +12,36 @@
 static inline __m512 widen16_512(__m128i q, const int SIGNED, float scale, float offset) {
     const __m512i wide = SIGNED ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+}
+
+/* Run j of a Q4_0, Q4_1 or Q4_K block as two registers of 16 floats by lookup: the 16 values its nibbles stand for,
+   fma(q, scale, offset) as widen16_512 computes them, fill one register, and vpermps reads the low 4 bits of a lane
+   as the index, so a lane holding a whole byte gives its low nibble's value and, shifted by 4, its high one's. Four
+   to six vector ops a run where widening took eight or more: at 2 rows of x on two Xeon cores SmolLM2's Q4_1 file
+   decodes 185-214 -> 246-251 tokens/s (the float kernel now beats the fixed-point one there), at 9 rows 2-5% more. */
+static inline __attribute__((always_inline)) void nibble_run512(const int KIND, const uint8_t *block, int j,
+                                                               __m512 v[2]) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const float d = half_at(block);
+    __m512 values;
+    __m512i lanes[2];
+    if (KIND == KIND_Q4_K) { /* run j: the low (even j) or high nibbles of 32 bytes */
+        int sc, mn;
+        k_scale_min(block + 4, j, &sc, &mn);
+        const float scale = d * (float)sc, offset = -(half_at(block + 2) * (float)mn);
+        values = _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+        const uint8_t *qs = block + 16 + 32 * (j / 2);
+        for (int i = 0; i < 2; i++) {
+            lanes[i] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16 * i)));
+            if (j & 1) lanes[i] = _mm512_srli_epi32(lanes[i], 4);
+        }
+    } else { /* Q4_0, Q4_1: values 0-15 in the low nibbles of 16 bytes, 16-31 in the high ones */
+        const int with_min = KIND == KIND_Q4_1;
+        values = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(with_min ? half_at(block + 2) : -8.f * d));
+        lanes[0] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + (with_min ? 4 : 2))));
+        lanes[1] = _mm512_srli_epi32(lanes[0], 4);
+    }
+    for (int i = 0; i < 2; i++) v[i] = _mm512_permutexvar_ps(lanes[i], values);
 }
 
 /* Weight rows n and n + 1 (`pair`; else n alone) against MC rows of x (stride k): y[r * MC + m] = weight row n + r
@@ -33,6 +64,10 @@ static inline __attribute__((always_inline)) void gguf_rows512(const weights_t *
         for (int j = 0; j < per_block / 32; j++) {
             __m512 v[2][2];
             for (int r = 0; r <= PAIR; r++) {
+                if (KIND == KIND_Q4_0 || KIND == KIND_Q4_1 || KIND == KIND_Q4_K) {
+                    nibble_run512(KIND, rows[r] + b * bytes, j, v[r]);
+                    continue;
+                }
                 __m128i q[2];
                 float scale[2], offset[2];
                 gguf_run_bytes(KIND, rows[r] + b * bytes, j, q, scale, offset);
