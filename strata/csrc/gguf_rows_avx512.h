@@ -18,7 +18,7 @@ static inline __m512 widen16_512(__m128i q, const int SIGNED, float scale, float
    fma(q, scale, offset) as widen16_512 computes them, fill one register, and vpermps reads the low 4 bits of a lane
    as the index, so a lane holding a whole byte gives its low nibble's value and, shifted by 4, its high one's. Four
    to six vector ops a run where widening took eight or more: at 2 rows of x on two Xeon cores SmolLM2's Q4_1 file
-   decodes 185-214 -> 246-251 tokens/s (the float kernel now beats the fixed-point one there), at 9 rows 2-5% more. */
+   decodes 190-204 -> 250-254 tokens/s (the float kernel now beats the fixed-point one there), at 9 rows 2-11% more. */
 static inline __attribute__((always_inline)) void nibble_run512(const int KIND, const uint8_t *block, int j,
                                                                __m512 v[2]) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
