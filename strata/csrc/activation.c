@@ -7,9 +7,7 @@
 
 #include "bf16.h"
 #include "fast_exp.h"
-
-/* Rows from which a call shares them among the threads: below, waking the threads costs more than the rows. */
-#define THREADED_ROWS 32
+#include "threaded_rows.h"
 
 /* Each gate is g / (1 + e^a), a its exponent: silu's -g; torch's approximate="tanh" GELU, 0.5 g (1 + tanh(u)) with
    u = sqrt(2 / pi) (g + 0.044715 g^3), written with a = -2u: the same value without 1 + tanh(u)'s cancellation for

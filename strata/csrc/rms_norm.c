@@ -5,11 +5,9 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "threaded_rows.h"
 
 #include <stddef.h>
-
-/* Rows from which a call shares them among the threads: below, waking the threads costs more than the rows. */
-#define THREADED_ROWS 32
 
 /* One row: s = x (+ residual, rounded to the dtype, written to sum_out); out = weight * (s / rms(s)) with
    the normalized value rounded to the dtype before the weight multiplies it, as HF's RMSNorm does. */

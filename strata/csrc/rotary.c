@@ -5,9 +5,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
-
-/* Tokens from which a call shares them among the threads: below, waking the threads costs more than the tokens. */
-#define THREADED_TOKENS 32
+#include "threaded_rows.h"
 
 /* x[:h] <- x1 cos - x2 sin, x[h:2h] <- x2 cos + x1 sin for the first `rotary_dim` = 2h dimensions of each head
    of each token (the rest of a head is left as it is: partial rotary); rows of x are `row_stride` elements apart,
@@ -18,7 +16,7 @@
         T *x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rotary_dim, int64_t row_stride,        \
         const T *cos, const T *sin) {                                                                         \
         const int64_t half = rotary_dim / 2;                                                                  \
-        _Pragma("omp parallel for if (tokens >= THREADED_TOKENS) schedule(static)")                           \
+        _Pragma("omp parallel for if (tokens >= THREADED_ROWS) schedule(static)")                           \
         for (int64_t t = 0; t < tokens; t++) {                                                                \
             const T *c = cos + t * half, *s = sin + t * half;                                                 \
             for (int64_t h = 0; h < heads; h++) {                                                             \
