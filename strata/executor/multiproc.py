@@ -32,8 +32,12 @@ logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint, or waiting for the other nodes to start
 _RESULT_TIMEOUT = timedelta(minutes=30)  # one step; liveness is watched separately, this is a last resort
+# Shutdown's whole wait for the ranks to leave on their own (store connection, goodbye, exit); then SIGTERM,
+# _TERM_WAIT_S later SIGKILL. One deadline, so that the waits do not add up.
 _GOODBYE_WAIT_S = 5.0
+_TERM_WAIT_S = 2.0
 _KILL_WAIT_S = 30.0
+_WATCHDOG_JOIN_S = 2.0
 
 
 def _local_ranks(config: EngineConfig, node_rank: int) -> range:
@@ -68,7 +72,7 @@ def stop_processes(procs: list, grace_s: float) -> None:
         if proc.exitcode is None:
             proc.terminate()
     for proc in procs:
-        proc.join(2.0)
+        proc.join(_TERM_WAIT_S)
         if proc.exitcode is None:
             proc.kill()
     for proc in procs:
@@ -98,7 +102,14 @@ class _Driver:
         self.collected = 0
         self.dead_reason: str | None = None
         self.stopping = threading.Event()
+        # Shutdown writes a byte here, so the watchdog leaves its wait at once and can be joined.
+        self._wake_read, self._wake_write = os.pipe()
+        self.watchdog: threading.Thread | None = None
         self.closed = False
+
+    def start_watchdog(self) -> None:
+        self.watchdog = threading.Thread(target=self.watch, name="strata-executor-watchdog", daemon=True)
+        self.watchdog.start()
 
     def watch(self) -> None:
         """Watchdog thread: a local worker's exit or any rank's reported error kills the engine."""
@@ -109,9 +120,10 @@ class _Driver:
             return
         by_sentinel = {p.sentinel: p for p in self.procs}
         while not self.stopping.is_set():
-            ready = multiprocessing.connection.wait(list(by_sentinel), timeout=0.5)
+            ready = multiprocessing.connection.wait([*by_sentinel, self._wake_read], timeout=0.5)
             if self.stopping.is_set():
                 return
+            ready = [r for r in ready if r != self._wake_read]
             try:
                 error = protocol.read_error(client)
                 if ready and error is None:
@@ -140,22 +152,36 @@ class _Driver:
         stop_processes(self.procs, grace_s=0.5)
 
     def shutdown(self) -> None:
-        """Tell every rank to stop, wait briefly for them, then end local processes and the store."""
+        """Tell every rank to stop, wait briefly for them, then end local processes, the watchdog and the store.
+
+        Bounded: _GOODBYE_WAIT_S for everything the ranks do on their own, then SIGTERM, then SIGKILL. The
+        watchdog is joined before the store goes, so that no thread of ours is inside a store call while the
+        interpreter finalizes (a daemon thread in torch's C++ code at exit can crash or hang the process).
+        """
         if self.closed:
             return
         self.closed = True
         self.stopping.set()
+        os.write(self._wake_write, b"x")
+        deadline = time.monotonic() + _GOODBYE_WAIT_S
         try:
-            client = connect_store(self.host, self.port, timedelta(seconds=5))
+            client = connect_store(self.host, self.port, timedelta(seconds=_GOODBYE_WAIT_S))
             protocol.abandon_startup(client)
             protocol.send_step(client, self.submitted, None)
-            deadline = time.monotonic() + _GOODBYE_WAIT_S
             while (self.dead_reason is None and protocol.num_exited(client) < self.world_size
                    and time.monotonic() < deadline):
-                time.sleep(0.05)
+                time.sleep(0.02)
         except dist.DistError:
             pass
-        stop_processes(self.procs, grace_s=_GOODBYE_WAIT_S)
+        stop_processes(self.procs, grace_s=max(0.0, deadline - time.monotonic()))
+        watchdog, here = self.watchdog, threading.current_thread()
+        if watchdog is not None and watchdog is not here:
+            watchdog.join(_WATCHDOG_JOIN_S)
+        if watchdog is None or not watchdog.is_alive():
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+        elif watchdog is not here:  # it keeps its pipe while it may still wait on it
+            logger.warning("the executor's watchdog did not stop within %.0f s", _WATCHDOG_JOIN_S)
         self.store = None  # the last reference: the store server stops
 
 
@@ -187,7 +213,7 @@ class MultiprocExecutor:
         self.num_kv_blocks = min(info.max_kv_blocks for info in self.rank_infos)
         protocol.send_num_blocks(self._driver.store, self.num_kv_blocks)
         self._driver.store.set_timeout(_RESULT_TIMEOUT)
-        threading.Thread(target=self._driver.watch, name="strata-executor-watchdog", daemon=True).start()
+        self._driver.start_watchdog()
         logger.info("KV cache: %d blocks of %d tokens on every rank", self.num_kv_blocks, config.cache.block_size)
 
     @property

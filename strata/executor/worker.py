@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # A blocking store read waits this long at most; liveness is watched by other means.
 _FOREVER = timedelta(days=7)
+_TEARDOWN_S = 2.0
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -62,6 +63,10 @@ def worker_main(spec: WorkerSpec) -> None:
         logger.error("%s worker failed: %s: %s", spec.log_prefix, type(e).__name__, e, exc_info=True)
         _report_failure(store, spec, e, startup=not reported)
     finally:
+        # Leaving must not hang on a peer that is gone: whatever tear-down still runs after this long is cut short.
+        exit_timer = threading.Timer(_TEARDOWN_S, os._exit, args=(code,))
+        exit_timer.daemon = True
+        exit_timer.start()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
