@@ -278,7 +278,11 @@ def _cut_by(tp: int, quant: QuantConfig, rows: dict[str, int], columns: dict[str
 
 def _gguf_cut_by(tp: int, quant: GGUFQuantConfig, rows: dict[str, int], columns: dict) -> str | None:
     """GGUF rows are cut only at whole blocks: a row-parallel layer's inputs per rank must hold whole blocks of the
-    types its tensors are stored in (32 values, 256 for the K-quants)."""
+    types its tensors are stored in (32 values, 256 for the K-quants); gpt-oss's MXFP4 experts as checkpoints' are."""
+    if gguf_types.MXFP4 in quant.tensor_types.values():
+        problem = _mxfp4_cut_by(tp, MXFP4QuantConfig(), rows, columns)
+        if problem is not None:
+            return problem
     row_parallel = [t for name, t in quant.tensor_types.items() if name.endswith(_ROW_PARALLEL)]
     block = max((gguf_types.check_type(t, "").values_per_block for t in row_parallel), default=1)
     for name, size in rows.items():

@@ -10,9 +10,9 @@ from strata.executor.model_runner import ModelRunner
 from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
-def strata_logits(path, token_ids: list[int], pc: ParallelContext | None = None) -> torch.Tensor:
-    """Logits of every position of one prompt (float32, CPU)."""
-    config = EngineConfig.create(str(path), dtype="float32", device="cpu")
+def strata_logits(path, token_ids: list[int], pc: ParallelContext | None = None, **engine_args) -> torch.Tensor:
+    """Logits of every position of one prompt (float32, CPU); `engine_args` as EngineConfig.create takes them."""
+    config = EngineConfig.create(str(path), dtype="float32", device="cpu", **engine_args)
     runner = ModelRunner(config, pc or ParallelContext(), torch.device("cpu"))
     runner.allocate_kv_cache(16)
     blocks = list(range(-(-len(token_ids) // config.cache.block_size)))

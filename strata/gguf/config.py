@@ -2,21 +2,32 @@
 norm settings, special tokens and tied head strata's models read through `*Args.from_hf`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from strata.errors import ConfigError, UnsupportedModelError
+from strata.gguf import variants
+from strata.gguf.families import MODULES, family, refuse_unknown_keys
 from strata.gguf.reader import GGUFModel
 
 
 @dataclass(frozen=True)
 class ArchitectureMap:
     """How one `general.architecture` becomes a config.json: the HF architecture, and whether llama.cpp's
-    converter permuted the rows of attn_q / attn_k for its interleaved rotary (then undone on load)."""
+    converter permuted the rows of attn_q / attn_k for its interleaved rotary (then undone on load); for Llama's
+    variants, the config keys beyond Llama's, layer tensor names that mean something else, tensors read into the
+    config, what the converter added to every norm weight, and the `ARCH.*` metadata keys strata reads (None: not
+    checked)."""
 
     hf_architecture: str
     model_type: str
     permuted_qk: bool = False
+    config: Callable[[GGUFModel, dict[str, Any]], dict[str, Any]] | None = None
+    tensor_names: Mapping[str, str] = field(default_factory=dict)
+    consumed_tensors: tuple[str, ...] = ()
+    norm_offset: float = 0.0
+    metadata_keys: frozenset[str] | None = None
 
 
 ARCHITECTURES = {
@@ -24,6 +35,18 @@ ARCHITECTURES = {
     "qwen2": ArchitectureMap("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ArchitectureMap("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ArchitectureMap("Qwen3MoeForCausalLM", "qwen3_moe"),
+    # Gemma's norms scale by 1 + w; the converter stores 1 + w.
+    "gemma2": ArchitectureMap("Gemma2ForCausalLM", "gemma2", config=variants.gemma2_config,
+                              tensor_names=variants.GEMMA_TENSORS, norm_offset=1.0,
+                              metadata_keys=variants.GEMMA2_KEYS),
+    "gemma3": ArchitectureMap("Gemma3ForCausalLM", "gemma3_text", config=variants.gemma3_config,
+                              tensor_names=variants.GEMMA_TENSORS, norm_offset=1.0,
+                              metadata_keys=variants.GEMMA3_KEYS),
+    "phi3": ArchitectureMap("Phi3ForCausalLM", "phi3", config=variants.phi3_config,
+                            tensor_names=variants.PHI3_TENSORS, consumed_tensors=variants.PHI3_ROPE_FACTORS,
+                            metadata_keys=variants.PHI3_KEYS),
+    "granite": ArchitectureMap("GraniteForCausalLM", "granite", permuted_qk=True, config=variants.granite_config,
+                               metadata_keys=variants.GRANITE_KEYS),
 }
 
 
@@ -31,7 +54,7 @@ def architecture_map(gguf: GGUFModel) -> ArchitectureMap:
     arch = gguf.architecture
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(f"{gguf.paths[0]}: GGUF architecture {arch!r} is not supported; strata reads "
-                                    f"GGUF files of {', '.join(sorted(ARCHITECTURES))}", param="model")
+                                    f"GGUF files of {', '.join(sorted([*ARCHITECTURES, *MODULES]))}", param="model")
     return ARCHITECTURES[arch]
 
 
@@ -55,6 +78,8 @@ def _per_layer(gguf: GGUFModel, key: str, value: Any) -> Any:
 
 def hf_config(gguf: GGUFModel) -> dict[str, Any]:
     """The config.json of the model the file holds."""
+    if (own := family(gguf.architecture)) is not None:
+        return own.hf_config(gguf)
     arch = architecture_map(gguf)
     heads = _per_layer(gguf, ".attention.head_count", _required(gguf, ".attention.head_count"))
     kv_heads = _per_layer(gguf, ".attention.head_count_kv", gguf.get(".attention.head_count_kv", heads))
@@ -79,6 +104,10 @@ def hf_config(gguf: GGUFModel) -> dict[str, Any]:
         config["sliding_window"] = sliding
     if arch.model_type == "qwen3" or arch.model_type == "qwen3_moe":
         config["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+    if arch.metadata_keys is not None:
+        refuse_unknown_keys(gguf, arch.metadata_keys)
+    if arch.config is not None:
+        config.update(arch.config(gguf, config))
     return config
 
 

@@ -21,6 +21,11 @@ TYPES: dict[int, GGUFType] = {
     Q4_1: GGUFType("Q4_1", 32, 20), Q5_0: GGUFType("Q5_0", 32, 22), Q5_1: GGUFType("Q5_1", 32, 24),
     Q8_0: GGUFType("Q8_0", 32, 34), Q4_K: GGUFType("Q4_K", 256, 144), Q5_K: GGUFType("Q5_K", 256, 176),
     Q6_K: GGUFType("Q6_K", 256, 210), BF16: GGUFType("BF16", 1, 2)}
+# llama.cpp's MXFP4 (gpt-oss's experts: one e8m0 exponent, then 16 bytes of e2m1 codes, value j in the low nibble of
+# byte j and value j + 16 in its high one): sizes are read, and strata.gguf.gpt_oss repacks the experts' blocks into
+# strata's MXFP4 layout at load, but no linear layer runs it (check_type refuses it).
+MXFP4 = 39
+READ_ONLY: dict[int, GGUFType] = {MXFP4: GGUFType("MXFP4", 32, 17)}
 # ggml's names of the types strata refuses, for the message.
 _OTHER_NAMES = {4: "Q4_2", 5: "Q4_3", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS",
                 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8",
@@ -37,15 +42,17 @@ def check_type(qtype: int, name: str) -> GGUFType:
     known = TYPES.get(qtype)
     if known is None:
         supported = ", ".join(t.name for t in TYPES.values())
-        raise ConfigError(f"GGUF tensor {name!r} has type {type_name(qtype)} ({qtype}), which strata does not run; "
-                          f"supported types: {supported}. Use a file quantized to one of them (e.g. Q4_K_M, Q8_0).",
+        where = " (strata reads MXFP4 for gpt-oss's routed experts only)" if qtype == MXFP4 else ""
+        raise ConfigError(f"GGUF tensor {name!r} has type {type_name(qtype)} ({qtype}), which strata does not run"
+                          f"{where}; supported types: {supported}. Use a file quantized to one of them (e.g. Q4_K_M, "
+                          "Q8_0).",
                           param="model")
     return known
 
 
 def row_bytes(qtype: int, k: int, name: str = "weight") -> int:
     """Bytes of one row of k values; refuses k that is not a whole number of blocks."""
-    t = check_type(qtype, name)
+    t = READ_ONLY.get(qtype) or check_type(qtype, name)
     if k <= 0 or k % t.values_per_block:
         raise ConfigError(f"{name}: a {t.name} row holds whole blocks of {t.values_per_block} values, not {k}",
                           param="model")

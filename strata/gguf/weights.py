@@ -12,7 +12,8 @@ import torch
 
 from strata.errors import ConfigError
 from strata.gguf import types
-from strata.gguf.config import architecture_map
+from strata.gguf.config import ArchitectureMap, architecture_map
+from strata.gguf.families import family
 from strata.gguf.reader import GGUFModel, TensorEntry
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -44,14 +45,16 @@ class GGUFTensor:
         return self.data.shape[-1]
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The checkpoint name strata's models use for a GGUF tensor, or None for one it does not know."""
+def hf_name(gguf_name: str, arch: ArchitectureMap | None = None) -> str | None:
+    """The checkpoint name strata's models use for a GGUF tensor (of architecture `arch`, whose own layer names
+    take precedence over Llama's), or None for one it does not know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **arch.tensor_names} if arch is not None else _LAYER_NAMES
+    if match is None or match.group(2) not in names:
         return None
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
 
 
 def is_blocked(entry: TensorEntry) -> bool:
@@ -62,15 +65,19 @@ def is_blocked(entry: TensorEntry) -> bool:
 def blocked_types(gguf: GGUFModel) -> dict[str, int]:
     """{HF name: ggml type} of every tensor kept in its blocks, checked to be a type strata reads; unknown tensor
     names are refused (strata never runs with weights it did not load)."""
+    if (own := family(gguf.architecture)) is not None:
+        return own.blocked_types(gguf)
     found = {}
-    unknown = [name for name in gguf.tensors if hf_name(name) is None and name not in _CONSUMED]
+    arch = architecture_map(gguf)
+    consumed = (*_CONSUMED, *arch.consumed_tensors)
+    unknown = [name for name in gguf.tensors if hf_name(name, arch) is None and name not in consumed]
     if unknown:
         raise ConfigError(f"{gguf.paths[0]}: tensors strata does not know for GGUF architecture "
                           f"{gguf.architecture!r}: {', '.join(sorted(unknown)[:10])}", param="model")
     for name, entry in gguf.tensors.items():
         types.check_type(entry.ggml_type, name)
-        if is_blocked(entry) and name not in _CONSUMED:
-            found[hf_name(name)] = entry.ggml_type
+        if is_blocked(entry) and name not in consumed:
+            found[hf_name(name, arch)] = entry.ggml_type
     return found
 
 
@@ -85,12 +92,16 @@ def iterate_gguf(gguf: GGUFModel, skip: Callable[[str], bool] = lambda name: Fal
                  ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     """(HF name, tensor) for every tensor the model loads; skipped names are never read. With `meta`, only
     shapes (meta tensors), for planning."""
-    permuted = architecture_map(gguf).permuted_qk
+    if (own := family(gguf.architecture)) is not None:
+        yield from own.iterate(gguf, skip, meta)
+        return
+    arch = architecture_map(gguf)
+    permuted = arch.permuted_qk
     heads = {"q_proj": gguf.get(".attention.head_count"), "k_proj": gguf.get(".attention.head_count_kv",
                                                                              gguf.get(".attention.head_count"))}
     heads = {k: v[0] if isinstance(v, list) else v for k, v in heads.items()}
     for name, entry in gguf.tensors.items():
-        target = hf_name(name)
+        target = hf_name(name, arch)
         if target is None or skip(target):
             continue
         if meta:
@@ -100,7 +111,10 @@ def iterate_gguf(gguf: GGUFModel, skip: Callable[[str], bool] = lambda name: Fal
         projection = target.split(".")[-2]
         if permuted and projection in heads:
             rows = _unpermute(rows, heads[projection])
-        yield target, _tensor(entry, rows)
+        tensor = _tensor(entry, rows)
+        if arch.norm_offset and target.endswith("norm.weight"):
+            tensor = tensor - arch.norm_offset  # the converter's 1 + w back to the checkpoint's w
+        yield target, tensor
 
 
 def _tensor(entry: TensorEntry, raw: np.ndarray) -> torch.Tensor | GGUFTensor:

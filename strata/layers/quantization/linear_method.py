@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from strata.errors import ConfigError
+from strata.gguf import types as gguf_types
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
 from strata.layers.moe import FusedMoE
@@ -136,6 +137,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig | GGUFQuantConfig | MX
         return
     if isinstance(quant, GGUFQuantConfig):
         quantize_gguf(model, quant, lambda name: checkpoint_module_names(checkpoint_prefix + name, stacked))
+        quantize_gguf_mxfp4_experts(model, quant, checkpoint_prefix)
         return
     counts = {"quantized": 0, "left as stored": 0}
     for name, module in list(model.named_modules()):
@@ -167,6 +169,15 @@ def quantize_mxfp4_experts(model: nn.Module, quant: MXFP4QuantConfig, checkpoint
             mxfp4_experts(moe, name)
     logger.info("mxfp4 checkpoint: %d expert layers stored as MXFP4",
                 sum(moe.quant is not None for _, moe in experts))
+
+
+def quantize_gguf_mxfp4_experts(model: nn.Module, quant: GGUFQuantConfig, checkpoint_prefix: str) -> None:
+    """gpt-oss GGUF files keep the routed experts in llama.cpp's MXFP4, which strata.gguf.gpt_oss repacks into the
+    layout of gpt-oss's MXFP4 checkpoints: those experts run as the checkpoints' do."""
+    for name, moe in model.named_modules():
+        stored = quant.tensor_types.get(f"{checkpoint_prefix}{name}.gate_up_proj_blocks")
+        if isinstance(moe, FusedMoE) and stored == gguf_types.MXFP4:
+            mxfp4_experts(moe, name)
 
 
 def finish_quantized(model: nn.Module) -> None:

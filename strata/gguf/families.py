@@ -1,0 +1,31 @@
+"""GGUF architectures whose metadata and tensors need more than the llama family's tables (strata.gguf.config and
+strata.gguf.weights): each has a module of its own with `hf_config(gguf)`, `blocked_types(gguf)` and
+`iterate(gguf, skip, meta)`; and the check that refuses metadata keys an architecture's module does not read."""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from types import ModuleType
+
+from strata.errors import UnsupportedModelError
+from strata.gguf.reader import GGUFModel
+
+# general.architecture -> the module that reads it
+MODULES = {"gpt-oss": "strata.gguf.gpt_oss", "mamba2": "strata.gguf.ssm"}
+
+
+def family(architecture: str) -> ModuleType | None:
+    """The module reading GGUF files of `architecture`, or None for the llama family's tables."""
+    name = MODULES.get(architecture)
+    return importlib.import_module(name) if name else None
+
+
+def refuse_unknown_keys(gguf: GGUFModel, known: Iterable[str]) -> None:
+    """Every `ARCH.*` metadata key must be one the architecture's module reads (or one that changes nothing it
+    computes): a key strata would silently ignore could change what the model computes."""
+    prefix = gguf.architecture + "."
+    known = set(known)
+    unknown = sorted(k for k in gguf.metadata if k.startswith(prefix) and k[len(prefix):] not in known)
+    if unknown:
+        raise UnsupportedModelError(f"{gguf.paths[0]}: GGUF metadata strata does not read for architecture "
+                                    f"{gguf.architecture!r}: {', '.join(unknown)}", param="model")
