@@ -176,7 +176,7 @@ print(executor._driver.port, " ".join(map(str, executor.worker_pids)), flush=Tru
 time.sleep(300)
 """
 # How many times each signal is tried under load; STRATA_SIGNAL_ROUNDS=30 is the long version, run by hand.
-SIGNAL_ROUNDS = int(os.environ.get("STRATA_SIGNAL_ROUNDS", "2"))
+SIGNAL_ROUNDS = int(os.environ.get("STRATA_SIGNAL_ROUNDS", "1"))
 
 
 @contextmanager
