@@ -19,6 +19,8 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
     (its vocabulary, merges or scores, special tokens and chat template), rebuilt by transformers."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if gguf_file is not None:
+        _refuse_unbuildable_gguf_tokenizer(gguf_file)
     try:
         if gguf_file is not None:
             gguf = Path(gguf_file)
@@ -28,9 +30,41 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
             return tokenizer
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot load"
+        missing = _missing_vocabulary(Path(path)) if gguf_file is None and Path(path).is_dir() else None
+        if missing:
+            raise ConfigError(f"folder {path!r} has no tokenizer: {missing}. Copy the model's tokenizer files into "
+                              "it, or pass a tokenizer folder or Hub ID with --tokenizer", param="tokenizer") from e
         where = gguf_file or path
         raise ConfigError(f"cannot load the tokenizer from {where!r}: {e}; pass a tokenizer folder or Hub ID with "
                           "--tokenizer", param="model") from e
+
+
+def _refuse_unbuildable_gguf_tokenizer(gguf_file: str) -> None:
+    from strata.gguf.reader import read_metadata
+    from strata.gguf.vocab import tokenizer_problem
+
+    problem = tokenizer_problem(read_metadata(gguf_file))
+    if problem:
+        raise ConfigError(f"cannot build the tokenizer of {gguf_file!r}: {problem}. Pass the model's tokenizer folder "
+                          "or Hub ID with --tokenizer (tokenizer=...)", param="tokenizer")
+
+
+# The files one of which holds a tokenizer's vocabulary (tokenizer_config.json alone only configures one): the
+# fast tokenizer's file, a SentencePiece model, a byte-level BPE's pair, a WordPiece list.
+_VOCABULARIES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
+
+
+def _missing_vocabulary(folder: Path) -> str | None:
+    """What is missing when `folder` holds no vocabulary file at all (None when it holds one: then the files are
+    there and something else is wrong with them)."""
+    if any(all((folder / name).is_file() for name in group) for group in _VOCABULARIES):
+        return None
+    if any(folder.glob("*.model")) or any(folder.glob("*.tiktoken")):
+        return None
+    wanted = ", ".join(" + ".join(group) for group in _VOCABULARIES) + ", *.model or *.tiktoken"
+    present = sorted(p.name for p in folder.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges",
+                                                                            "special_tokens", "added_tokens")))
+    return f"none of {wanted} is there (tokenizer files present: {', '.join(present) or 'none'})"
 
 
 def _space_prefix_as_sentencepiece(tokenizer: Any, gguf_file: str) -> None:

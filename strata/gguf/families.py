@@ -11,7 +11,8 @@ from strata.errors import UnsupportedModelError
 from strata.gguf.reader import GGUFModel
 
 # general.architecture -> the module that reads it
-MODULES = {"gpt-oss": "strata.gguf.gpt_oss", "mamba2": "strata.gguf.ssm"}
+MODULES = {"gpt-oss": "strata.gguf.gpt_oss", "mamba2": "strata.gguf.ssm", "plamo2": "strata.gguf.plamo2",
+           "llama4": "strata.gguf.llama4"}
 
 
 def family(architecture: str) -> ModuleType | None:

@@ -12,6 +12,7 @@ from torch import nn
 from strata.config import HFConfig
 from strata.distributed import ParallelContext
 from strata.errors import ConfigError, UnsupportedModelError
+from strata.gguf.weights import GGUFTensor
 from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -80,9 +81,16 @@ def _output_rows(tensor: torch.Tensor, leaf: str) -> int | None:
     return None if dim is None or tensor.dim() <= dim or tensor.numel() == 1 else dim
 
 
+def _gguf_rows(tensor: GGUFTensor, rows: torch.Tensor) -> GGUFTensor:
+    """A GGUF tensor with `rows` (rows of its ggml blocks, each one output) in place of its own."""
+    return GGUFTensor(rows, tensor.ggml_type, (rows.shape[0], *tensor.shape[1:]))
+
+
 def _heads_first(tensor: torch.Tensor, leaf: str, heads: int, name: str) -> torch.Tensor:
     """in_proj's output rows, stored per head as [z_h | x_h], regrouped as [z of all heads ; x of all heads]; rows
     packed several outputs to an element move with their head, which needs whole elements per head."""
+    if isinstance(tensor, GGUFTensor):  # one output per row of blocks: the rows move whole
+        return _gguf_rows(tensor, _heads_first(tensor.data, "weight", heads, name))
     dim = _output_rows(tensor, leaf)
     if dim is None:
         return tensor
@@ -97,6 +105,8 @@ def _heads_first(tensor: torch.Tensor, leaf: str, heads: int, name: str) -> torc
 def _split_outputs(tensor: torch.Tensor, leaf: str, sizes: list[int], name: str) -> list[torch.Tensor]:
     """A fused layer's stored tensor cut into its parts' output rows (packed rows in proportion); a tensor without
     output rows (weight_shape, g_idx, a per-tensor scale) goes whole to every part."""
+    if isinstance(tensor, GGUFTensor):
+        return [_gguf_rows(tensor, rows) for rows in _split_outputs(tensor.data, "weight", sizes, name)]
     dim = _output_rows(tensor, leaf)
     if dim is None:
         return [tensor] * len(sizes)
@@ -250,8 +260,9 @@ class Plamo2ForCausalLM(CausalLM):
                 tensor = tensor + NORM_OFFSETS[module]
             elif name == "model.norm.weight":
                 tensor = tensor + 1.0
-            elif name == "lm_head.weight":
-                tensor = tensor[: a.vocab_size]  # HF pads the head to a multiple of 16 rows
+            elif name == "lm_head.weight":  # HF pads the head to a multiple of 16 rows
+                tensor = (_gguf_rows(tensor, tensor.data[: a.vocab_size]) if isinstance(tensor, GGUFTensor)
+                          else tensor[: a.vocab_size])
             renamed = {"A_log": "A", "B_norm_weight": "B_norm.weight", "C_norm_weight": "C_norm.weight",
                        "dt_norm_weight": "dt_norm.weight", "q_weight": "q_norm.weight", "k_weight": "k_norm.weight"}
             yield (f"{stem}.{renamed[leaf]}" if leaf in renamed else name), tensor
