@@ -16,24 +16,33 @@ LLAMA_CPP = Path(os.environ.get("STRATA_LLAMA_CPP", "~/.cache/strata-anchors/lla
                  ).expanduser()
 # The test checkpoints' tokenizer is not one llama.cpp knows by its hash: it is written as GPT-2 style BPE, as
 # llama_cpp_anchor.sh does.
+# Several conversions share one process: importing the converter (torch, transformers) costs more than converting
+# a tiny checkpoint.
 _SCRIPT = """
 import sys
-src, model, out, outtype = sys.argv[1:5]
+src, jobs = sys.argv[1], sys.argv[2:]
 sys.path[:0] = [src, src + "/gguf-py"]
 import conversion.base as base
 import convert_hf_to_gguf as convert
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv = ["convert_hf_to_gguf.py", model, "--outfile", out, "--outtype", outtype]
-convert.main()
+for model, out, outtype in zip(jobs[0::3], jobs[1::3], jobs[2::3]):
+    sys.argv = ["convert_hf_to_gguf.py", model, "--outfile", out, "--outtype", outtype]
+    convert.main()
 """
 
 
 def convert(hf_folder: Path, out: Path, outtype: str = "f32") -> Path:
     """`hf_folder` as llama.cpp's converter writes it (`outtype` f32, f16, bf16 or q8_0)."""
+    return convert_many([(hf_folder, out, outtype)])[0]
+
+
+def convert_many(jobs: list[tuple[Path, Path, str]]) -> list[Path]:
+    """Each (checkpoint folder, GGUF path, outtype) converted, all in one converter process."""
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"llama.cpp's converter is not at {LLAMA_CPP} (set STRATA_LLAMA_CPP to a llama.cpp source tree)")
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(LLAMA_CPP), str(hf_folder), str(out), outtype],
-                          capture_output=True, text=True, timeout=600)
+    args = [str(part) for job in jobs for part in job]
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(LLAMA_CPP), *args], capture_output=True, text=True,
+                          timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-4000:]}")
-    return out
+    return [out for _, out, _ in jobs]

@@ -31,10 +31,14 @@ class ArchitectureMap:
 
 
 ARCHITECTURES = {
-    "llama": ArchitectureMap("LlamaForCausalLM", "llama", permuted_qk=True),
-    "qwen2": ArchitectureMap("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ArchitectureMap("Qwen3ForCausalLM", "qwen3"),
-    "qwen3moe": ArchitectureMap("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "llama": ArchitectureMap("LlamaForCausalLM", "llama", permuted_qk=True, config=variants.llama_config,
+                             metadata_keys=variants.LLAMA_KEYS),
+    "qwen2": ArchitectureMap("Qwen2ForCausalLM", "qwen2", config=variants.llama_config,
+                             metadata_keys=variants.QWEN_KEYS),
+    "qwen3": ArchitectureMap("Qwen3ForCausalLM", "qwen3", config=variants.llama_config,
+                             metadata_keys=variants.QWEN_KEYS),
+    "qwen3moe": ArchitectureMap("Qwen3MoeForCausalLM", "qwen3_moe", config=variants.llama_config,
+                                metadata_keys=variants.QWEN3MOE_KEYS),
     # Gemma's norms scale by 1 + w; the converter stores 1 + w.
     "gemma2": ArchitectureMap("Gemma2ForCausalLM", "gemma2", config=variants.gemma2_config,
                               tensor_names=variants.GEMMA_TENSORS, norm_offset=1.0,

@@ -1,6 +1,6 @@
 """GGUF files of Llama's close variants Gemma 2, Gemma 3 (text), Phi-3 and Granite: what llama.cpp's converter writes
 for each beyond Llama's keys and tensor names, turned back into the config.json keys strata's models read, and the
-metadata keys each may carry (strata.gguf.families refuses any other by name)."""
+metadata keys each may carry, Llama's and Qwen's included (strata.gguf.families refuses any other by name)."""
 from __future__ import annotations
 
 from typing import Any
@@ -22,6 +22,12 @@ PHI3_KEYS = _SHAPES | {"attention.sliding_window", "rope.scaling.original_contex
                        "rope.scaling.attn_factor"}
 GRANITE_KEYS = _SHAPES | _LINEAR_ROPE | {"attention.scale", "embedding_scale", "residual_scale", "logit_scale",
                                         "rope.scaling.finetuned"}
+# Llama itself (Mistral's checkpoints too: current converters write them as llama), Qwen2, Qwen3 and Qwen3-MoE, as
+# the converter writes them. Refused by name: a sliding window or pooling type, Mixtral's experts in a llama file,
+# YaRN's parameters. tensor_data_layout is the old convert.py's note on its source, which llama.cpp never reads.
+LLAMA_KEYS = _SHAPES | _LINEAR_ROPE | {"tensor_data_layout"}
+QWEN_KEYS = _SHAPES | _LINEAR_ROPE
+QWEN3MOE_KEYS = QWEN_KEYS | {"expert_count", "expert_used_count", "expert_feed_forward_length"}
 
 # GGUF layer tensor names whose meaning differs from Llama's (strata.gguf.weights._LAYER_NAMES).
 GEMMA_TENSORS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -117,6 +123,12 @@ def phi3_config(gguf: GGUFModel, config: dict[str, Any]) -> dict[str, Any]:
     elif config["rope_scaling"] is not None or gguf.get(".rope.scaling.attn_factor") is not None:
         raise _refuse(gguf, "rotary scaling in a phi3 file without LongRoPE factor tensors is not supported")
     return extra
+
+
+def llama_config(gguf: GGUFModel, config: dict[str, Any]) -> dict[str, Any]:
+    """Llama and Qwen: llama.cpp rotates whole heads, with keys and values of one head size (it asserts so)."""
+    _full_rotary(gguf, config)
+    return {}
 
 
 def granite_config(gguf: GGUFModel, config: dict[str, Any]) -> dict[str, Any]:

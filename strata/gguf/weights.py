@@ -1,6 +1,6 @@
 """A GGUF model's tensors under the Hugging Face names strata's models load: float tensors as torch tensors,
 quantized (and half-precision matrix) tensors as their ggml blocks, rows in the checkpoint's order (llama.cpp's
-Q/K row permutation undone)."""
+Q/K row permutation undone), stacked routed experts one float tensor per expert."""
 from __future__ import annotations
 
 import re
@@ -27,6 +27,8 @@ _LAYER_NAMES = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight$")
+_FLOAT = (types.F32, types.F16, types.BF16)
 _CONSUMED = ("rope_freqs.weight",)  # read into the config (strata.gguf.config)
 _HALF = {types.F16: torch.float16, types.BF16: torch.bfloat16}
 
@@ -76,9 +78,19 @@ def blocked_types(gguf: GGUFModel) -> dict[str, int]:
                           f"{gguf.architecture!r}: {', '.join(sorted(unknown)[:10])}", param="model")
     for name, entry in gguf.tensors.items():
         types.check_type(entry.ggml_type, name)
-        if is_blocked(entry) and name not in consumed:
+        if _EXPERTS.match(name):
+            _check_float_experts(gguf, name, entry)
+        elif is_blocked(entry) and name not in consumed:
             found[hf_name(name, arch)] = entry.ggml_type
     return found
+
+
+def _check_float_experts(gguf: GGUFModel, name: str, entry: TensorEntry) -> None:
+    if entry.ggml_type not in _FLOAT:
+        raise ConfigError(f"{gguf.paths[0]}: GGUF tensor {name!r} is {types.type_name(entry.ggml_type)}; strata runs "
+                          "routed experts from F32, F16 or BF16 only (its MoE has no kernel for ggml blocks). Use a "
+                          "file whose experts are float (e.g. llama-quantize --tensor-type ffn_.*_exps=f16)",
+                          param="model")
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -102,6 +114,9 @@ def iterate_gguf(gguf: GGUFModel, skip: Callable[[str], bool] = lambda name: Fal
     heads = {k: v[0] if isinstance(v, list) else v for k, v in heads.items()}
     for name, entry in gguf.tensors.items():
         target = hf_name(name, arch)
+        if target is not None and _EXPERTS.match(name):
+            yield from _per_expert(gguf, entry, target, skip, meta)
+            continue
         if target is None or skip(target):
             continue
         if meta:
@@ -117,10 +132,27 @@ def iterate_gguf(gguf: GGUFModel, skip: Callable[[str], bool] = lambda name: Fal
         yield target, tensor
 
 
+def _per_expert(gguf: GGUFModel, entry: TensorEntry, target: str, skip: Callable[[str], bool], meta: bool
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stacked float expert tensor [E, out, in] as one [out, in] tensor per expert, under the names checkpoints
+    store them by (`...experts.{e}.gate_proj.weight`), which strata's MoE loads expert by expert."""
+    head, proj = target.removesuffix(".weight").rsplit(".", 1)
+    names = [f"{head}.{e}.{proj}.weight" for e in range(entry.shape[0])]
+    if all(skip(n) for n in names):
+        return
+    stacked = None if meta else _float_values(entry, gguf.raw(entry.name))
+    for e, n in enumerate(names):
+        yield n, torch.empty(entry.shape[1:], device="meta") if stacked is None else stacked[e]
+
+
 def _tensor(entry: TensorEntry, raw: np.ndarray) -> torch.Tensor | GGUFTensor:
     if is_blocked(entry):
         # A copy: the model keeps these bytes, and a view would pin pages of the file's mapping.
         return GGUFTensor(torch.from_numpy(np.array(raw)), entry.ggml_type, entry.shape)
+    return _float_values(entry, raw)
+
+
+def _float_values(entry: TensorEntry, raw: np.ndarray) -> torch.Tensor:
     if entry.ggml_type == types.F32:
         values = torch.from_numpy(np.array(raw).view("<f4"))
     elif entry.ggml_type in _HALF:
