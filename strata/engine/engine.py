@@ -13,7 +13,7 @@ from strata.engine.kv_cache import KVCacheManager
 from strata.engine.output_processor import RequestGroup, SequenceState, TokenTextCache, stop_condition
 from strata.engine.request import ProcessedPrompt, Request, RequestStatus
 from strata.engine.scheduler import Scheduler
-from strata.engine.spec.decoder import SpeculativeDecoder
+from strata.engine.speculative.decoder import SpeculativeDecoder
 from strata.engine.state_cache import SlotPool
 from strata.errors import RequestError, StrataError
 from strata.executor.executor import create_executor

@@ -10,7 +10,7 @@ from collections import deque
 from strata.config import SchedulerConfig
 from strata.engine.kv_cache import KVCacheManager
 from strata.engine.request import Request, RequestStatus
-from strata.engine.spec.decoder import SpeculativeDecoder
+from strata.engine.speculative.decoder import SpeculativeDecoder
 from strata.engine.state_cache import SlotPool
 from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
 

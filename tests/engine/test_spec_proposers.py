@@ -8,11 +8,11 @@ import random
 import numpy as np
 
 from strata.engine.request import Request
-from strata.engine.spec.decoder import within_budget
-from strata.engine.spec.draft_length import DraftDepth
-from strata.engine.spec.ngram import continuation, latest_longest_match
-from strata.engine.spec.suffix import SuffixProposer
-from strata.engine.spec.suffix_tree import SuffixTree
+from strata.engine.speculative.decoder import within_budget
+from strata.engine.speculative.draft_length import DraftDepth
+from strata.engine.speculative.ngram import continuation, latest_longest_match
+from strata.engine.speculative.suffix import SuffixProposer
+from strata.engine.speculative.suffix_tree import SuffixTree
 from strata.sampling_params import SamplingParams
 from strata.speculative_config import parse_speculative_config
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from strata.config import EngineConfig, resolve_device
 from strata.engine.request import Request
-from strata.engine.spec.draft_length import DraftDepth
-from strata.engine.spec.draft_model import DraftModelProposer
-from strata.engine.spec.ngram import NgramProposer
-from strata.engine.spec.suffix import SuffixProposer
+from strata.engine.speculative.draft_length import DraftDepth
+from strata.engine.speculative.draft_model import DraftModelProposer
+from strata.engine.speculative.ngram import NgramProposer
+from strata.engine.speculative.suffix import SuffixProposer
 from strata.speculative_config import SpeculativeConfig
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from strata.engine.request import Request
-from strata.engine.spec.suffix_tree import SuffixTree
+from strata.engine.speculative.suffix_tree import SuffixTree
 from strata.speculative_config import SpeculativeConfig
 
 
