@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from strata.errors import ConfigError
 from strata.gguf.config import hf_config as gguf_hf_config
 from strata.gguf.reader import GGUFModel
 from strata.gguf.weights import blocked_types
-from strata.hf_config import HFConfig
+from strata.hf_config import HFConfig, read_config_json
 from strata.layout_rules import check_nodes, check_pp
 from strata.model_source import ModelSource, resolve_model
 from strata.quant_config import GGUFQuantConfig, QuantConfig, parse_quant_config
@@ -177,7 +176,7 @@ class ModelConfig:
         elif not (folder / "config.json").is_file():
             raise ConfigError(f"model {source.model!r} is not a folder with a config.json", param="model")
         else:
-            hf = HFConfig(json.loads((folder / "config.json").read_text()))
+            hf = read_config_json(folder / "config.json")
         architecture = registry.architecture_of(hf)
         text = hf.get("text_config") or hf
         checkpoint_dtype = hf.get("torch_dtype", hf.get("dtype", text.get("torch_dtype", text.get("dtype"))))

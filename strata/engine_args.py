@@ -78,7 +78,9 @@ class EngineArgs:
                                               "(default: the model's max_position_embeddings)")
     max_num_seqs: int = _option(256, "most sequences in one step")
     max_num_batched_tokens: int | None = _option(None, "tokens in one step (default: max(2048, max_num_seqs))")
-    kv_cache_memory: int | None = _option(None, "bytes for the KV cache per rank", parse=byte_size)
+    kv_cache_memory: int | None = _option(None, "bytes for the KV cache per rank, e.g. 512M (default: on CPU a quarter "
+                                                "of free memory, at most 4G, shared by the local ranks; on a GPU "
+                                                "what --gpu-memory-utilization leaves)", parse=byte_size)
     gpu_memory_utilization: float = _option(0.9, "share of GPU memory the engine may use")
     block_size: int = _option(16, "tokens per KV-cache block")
     enable_prefix_caching: bool | None = _option(None, "reuse the KV blocks of shared prompt prefixes "

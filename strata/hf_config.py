@@ -1,7 +1,11 @@
 """A model's config.json as read once: attribute access with defaults, nested `*_config` sections alike."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+from strata.errors import ConfigError
 
 
 class HFConfig:
@@ -25,3 +29,21 @@ class HFConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self._values)
+
+
+def read_config_json(path: str | Path) -> HFConfig:
+    """A checkpoint's config.json; a file that is not a JSON object is a ConfigError naming it, and where JSON
+    parsing stopped (line and column), in one line."""
+    path = Path(path)
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; fix the file "
+                          "(or copy it again from the model's repo)", param="model") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: it is not UTF-8 text ({e.reason} at byte {e.start})",
+                          param="model") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} holds a JSON {type(values).__name__}, not an object ({{...}}) of settings",
+                          param="model")
+    return HFConfig(values)

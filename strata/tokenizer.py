@@ -27,6 +27,7 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                                 local_files_only=True)
             _space_prefix_as_sentencepiece(tokenizer, gguf_file)
+            _split_digits_as_llama_cpp(tokenizer, gguf_file)
             return tokenizer
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot load"
@@ -84,6 +85,27 @@ def _space_prefix_as_sentencepiece(tokenizer: Any, gguf_file: str) -> None:
     backend = tokenizer.backend_tokenizer
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if prefix else spaces
     backend.pre_tokenizer = None
+
+
+# Byte-level BPE vocabularies (`tokenizer.ggml.pre`) whose text llama.cpp splits into single digits before the GPT-2
+# rule (llama-vocab.cpp: "\\p{N}" then the GPT-2 pattern), as their own tokenizer.json does (a Digits pre-tokenizer).
+_DIGITS_THEN_GPT2 = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva", "mellum2")
+
+
+def _split_digits_as_llama_cpp(tokenizer: Any, gguf_file: str) -> None:
+    """transformers rebuilds these vocabularies with the GPT-2 rule alone, which keeps the whitespace before a digit
+    apart from a run of spaces: SmolLM2 tokenized "\\n\\n  0." as "\\n\\n ", " ", "0" where llama.cpp and
+    SmolLM2's own tokenizer give "\\n\\n  ", "0" (19 more tokens on the GPL v3 text)."""
+    from tokenizers import pre_tokenizers
+
+    from strata.gguf.reader import read_metadata
+
+    metadata = read_metadata(gguf_file)
+    if metadata.get("tokenizer.ggml.model") != "gpt2" or metadata.get("tokenizer.ggml.pre") not in _DIGITS_THEN_GPT2:
+        return
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
 
 
 def read_chat_template(value: str | None) -> str | None:

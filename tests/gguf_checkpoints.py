@@ -36,10 +36,11 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_folder: Path, path: Path, type_of, arch: str = "llama", split: int = 1,
-               spm_model: Path | None = None) -> list[Path]:
+               spm_model: Path | None = None, pre: str = "default") -> list[Path]:
     """The checkpoint in `hf_folder` as a GGUF file (or `split` parts); `type_of(gguf_name, shape)` picks each
     matrix's ggml type (vectors stay F32). With `spm_model`, a SentencePiece model file, the vocabulary is that
-    model's pieces with their scores and kinds, as llama.cpp's converter writes a Llama 2 style tokenizer."""
+    model's pieces with their scores and kinds, as llama.cpp's converter writes a Llama 2 style tokenizer; else the
+    checkpoint's byte-level BPE, with `pre` as its `tokenizer.ggml.pre` (how llama.cpp splits text before merging)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -66,7 +67,7 @@ def write_gguf(hf_folder: Path, path: Path, type_of, arch: str = "llama", split:
     for part, out in enumerate(paths):
         writer = gguf.GGUFWriter(str(out), arch)
         if part == 0:
-            _metadata(writer, config, tok, tok_config, arch, spm_model)
+            _metadata(writer, config, tok, tok_config, arch, spm_model, pre)
         if split > 1:
             writer.add_uint16("split.no", part)
             writer.add_uint16("split.count", split)
@@ -121,7 +122,8 @@ def _spm_vocabulary(writer, spm_model: Path) -> None:
     writer.add_unk_token_id(sp.unk_id())
 
 
-def _metadata(writer, config: dict, tok: dict, tok_config: dict, arch: str, spm_model: Path | None = None) -> None:
+def _metadata(writer, config: dict, tok: dict, tok_config: dict, arch: str, spm_model: Path | None = None,
+              pre: str = "default") -> None:
     heads = config["num_attention_heads"]
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config.get("max_position_embeddings", 2048))
@@ -144,7 +146,7 @@ def _metadata(writer, config: dict, tok: dict, tok_config: dict, arch: str, spm_
         added = {t["id"]: t["content"] for t in tok["added_tokens"]}
         tokens = [added.get(i, piece) for piece, i in vocab]
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
         merges = tok["model"]["merges"]

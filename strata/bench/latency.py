@@ -1,6 +1,7 @@
 """`strata bench latency`: time per output token of one batch after a fixed prompt (vLLM's name), with the
 effective weight bandwidth (the bytes of weights a decode step reads over the time it takes), the prefill's rate,
-and for scale the machine's plain read loop and best torch matmul."""
+and for scale the machine's plain read loop and best torch matmul. Each timed figure is printed twice, labelled:
+the best of the --num-iters runs (what the machine can do) and their mean (what a run costs on average)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import logging
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,13 +23,14 @@ logger = logging.getLogger(__name__)
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `strata bench latency`: the batch and its lengths, then every engine option."""
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--num-iters-warmup", type=int, default=1)
-    parser.add_argument("--num-iters", type=int, default=3)
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--model", required=True, help="checkpoint folder, .gguf file or Hub ID")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens of each sequence")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens of each sequence (at least 2)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
+    parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed runs first")
+    parser.add_argument("--num-iters", type=int, default=3,
+                        help="timed runs; the best of them and their mean are both printed")
+    parser.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     EngineArgs.add_cli_args(parser)
 
 
@@ -66,9 +69,9 @@ def torch_matmul_gflops(size: int = 2048, repeats: int = 3) -> float:
     return 2 * size ** 3 / best / 1e9
 
 
-def prefill_seconds(llm, prompt_sets: list[list[list[int]]]) -> float:
-    """The shortest time to the first token over prompt sets never seen before (the prefix cache holds none)."""
-    return min(_timed(llm, prompts, 1) for prompts in prompt_sets)
+def prefill_seconds(llm, prompt_sets: list[list[list[int]]]) -> list[float]:
+    """The times to the first token of prompt sets never seen before (the prefix cache holds none)."""
+    return [_timed(llm, prompts, 1) for prompts in prompt_sets]
 
 
 def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
@@ -81,15 +84,31 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
     return elapsed
 
 
-def measure(llm, prompts: list[list[int]], output_len: int, warmup: int, iters: int) -> tuple[list[float], float]:
-    """Latencies of `iters` full runs, and the time per output token: the run less its prefill and first
-    token (a run with one output token), over the remaining tokens."""
+@dataclass(frozen=True)
+class Timings:
+    """The runs of one batch: full runs and runs of one output token (prefill and first token), in seconds."""
+
+    latencies: list[float]
+    first_token: list[float]
+    output_len: int
+
+    @property
+    def best_per_token(self) -> float:
+        """Best of N: the fastest full run less the fastest first token, over the remaining tokens."""
+        return (min(self.latencies) - min(self.first_token)) / max(1, self.output_len - 1)
+
+    @property
+    def mean_per_token(self) -> float:
+        """Mean: the mean full run less the mean first token, over the remaining tokens."""
+        return (statistics.mean(self.latencies) - statistics.mean(self.first_token)) / max(1, self.output_len - 1)
+
+
+def measure(llm, prompts: list[list[int]], output_len: int, warmup: int, iters: int) -> Timings:
+    """`iters` full runs after `warmup` untimed ones, and `iters` runs of one output token."""
     for _ in range(warmup):
         _timed(llm, prompts, output_len)
     latencies = [_timed(llm, prompts, output_len) for _ in range(iters)]
-    first = min(_timed(llm, prompts, 1) for _ in range(max(1, iters)))
-    per_token = (min(latencies) - first) / max(1, output_len - 1)
-    return latencies, per_token
+    return Timings(latencies, [_timed(llm, prompts, 1) for _ in range(iters)], output_len)
 
 
 def _on_cuda(device: str) -> bool:
@@ -137,42 +156,74 @@ def run_latency(args: argparse.Namespace) -> int:
 
     if args.output_len < 2:
         raise SystemExit("--output-len must be at least 2 to time decode steps")
+    if args.num_iters < 1:
+        raise SystemExit("--num-iters must be at least 1")
     model = ModelConfig.from_path(resolve_source(EngineArgs.from_cli_args(args, args.model)))
     prompts = random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed, avoid=model.eos_token_ids)
     nbytes = weight_bytes(args)
     read_loop = None if _on_cuda(args.device) else read_loop_bandwidth()
     llm = LLM(args.model, **engine_kwargs(args))
     try:
-        latencies, per_token = measure(llm, prompts, args.output_len, args.num_iters_warmup, args.num_iters)
+        timings = measure(llm, prompts, args.output_len, args.num_iters_warmup, args.num_iters)
         fresh = [random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed + 1 + i,
-                                avoid=model.eos_token_ids) for i in range(max(1, args.num_iters))]
-        ttft = prefill_seconds(llm, fresh)
+                                avoid=model.eos_token_ids) for i in range(args.num_iters)]
+        ttfts = prefill_seconds(llm, fresh)
         if llm.engine.spec is not None:  # --speculative-config: how the drafts fared
             sys.stdout.write(llm.engine.spec.stats.summary() + "\n")
         if read_loop is not None:
             sys.stdout.write(cpu_kernels_line(llm) + "\n")
     finally:
         llm.shutdown()
-    result = {"avg_latency": statistics.mean(latencies), "latencies": latencies, "batch_size": args.batch_size,
-              "input_len": args.input_len, "output_len": args.output_len, "time_per_output_token": per_token,
-              "output_tokens_per_second": args.batch_size / per_token, "weight_bytes": nbytes,
-              "weight_bandwidth_gb_per_s": nbytes / per_token / 1e9,
-              "read_loop_gb_per_s": None if read_loop is None else read_loop / 1e9, "time_to_first_token": ttft,
-              "prefill_tokens_per_second": args.batch_size * args.input_len / ttft,
-              "torch_matmul_gflops": None if read_loop is None else torch_matmul_gflops()}
-    sys.stdout.write(f"Avg latency: {result['avg_latency']:.4f} seconds (batch {args.batch_size}, "
-                     f"{args.input_len} in, {args.output_len} out)\n"
-                     f"Time per output token: {per_token * 1e3:.2f} ms, {result['output_tokens_per_second']:.2f} "
-                     f"output tokens/s\n"
-                     f"Effective weight bandwidth: {result['weight_bandwidth_gb_per_s']:.2f} GB/s "
-                     f"({nbytes / 1e9:.3f} GB of weights read per step)\n")
-    sys.stdout.write(f"Prefill: {ttft * 1e3:.1f} ms to the first token, {result['prefill_tokens_per_second']:.1f} "
-                     "prompt tokens/s (prompts not seen before)\n")
-    if read_loop is not None:
-        sys.stdout.write(f"Plain read loop: {read_loop / 1e9:.2f} GB/s (decode reads weights at "
-                         f"{100 * nbytes / per_token / read_loop:.0f}% of it); best torch matmul "
-                         f"{result['torch_matmul_gflops']:.1f} GFLOP/s (float32, 2048 x 2048 x 2048)\n")
+    result = latency_figures(args, timings, ttfts, nbytes, read_loop)
+    sys.stdout.write(report(args, result))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def latency_figures(args: argparse.Namespace, timings: Timings, ttfts: list[float], nbytes: int,
+                    read_loop: float | None) -> dict:
+    """Every figure, for the report and --output-json. The keys vLLM's and earlier strata's JSON had keep their
+    meaning (avg_latency: the mean; time_per_output_token and what derives from it: best of N); `*_mean` are
+    the means, `best_of` is N."""
+    prompt_tokens = args.batch_size * args.input_len
+    best, mean = timings.best_per_token, timings.mean_per_token
+    ttft, ttft_mean = min(ttfts), statistics.mean(ttfts)
+    return {"avg_latency": statistics.mean(timings.latencies), "best_latency": min(timings.latencies),
+            "latencies": timings.latencies, "first_token_latencies": timings.first_token,
+            "best_of": len(timings.latencies), "batch_size": args.batch_size,
+            "input_len": args.input_len, "output_len": args.output_len,
+            "time_per_output_token": best, "time_per_output_token_mean": mean,
+            "output_tokens_per_second": args.batch_size / best,
+            "output_tokens_per_second_mean": args.batch_size / mean,
+            "weight_bytes": nbytes, "weight_bandwidth_gb_per_s": nbytes / best / 1e9,
+            "weight_bandwidth_gb_per_s_mean": nbytes / mean / 1e9,
+            "read_loop_gb_per_s": None if read_loop is None else read_loop / 1e9,
+            "time_to_first_token": ttft, "time_to_first_token_mean": ttft_mean, "prefill_latencies": ttfts,
+            "prefill_tokens_per_second": prompt_tokens / ttft,
+            "prefill_tokens_per_second_mean": prompt_tokens / ttft_mean,
+            "torch_matmul_gflops": None if read_loop is None else torch_matmul_gflops()}
+
+
+def report(args: argparse.Namespace, r: dict) -> str:
+    """The printed figures: each timed one as best of N, then the mean of the same N runs."""
+    best = f"best of {r['best_of']}"
+    lines = [
+        f"Avg latency: {r['avg_latency']:.4f} seconds (mean of {r['best_of']} runs; {best}: {r['best_latency']:.4f} s; "
+        f"batch {args.batch_size}, {args.input_len} in, {args.output_len} out)",
+        f"Time per output token, {best}: {r['time_per_output_token'] * 1e3:.2f} ms, "
+        f"{r['output_tokens_per_second']:.2f} output tokens/s; mean: {r['time_per_output_token_mean'] * 1e3:.2f} ms, "
+        f"{r['output_tokens_per_second_mean']:.2f} output tokens/s",
+        f"Effective weight bandwidth, {best}: {r['weight_bandwidth_gb_per_s']:.2f} GB/s; mean: "
+        f"{r['weight_bandwidth_gb_per_s_mean']:.2f} GB/s ({r['weight_bytes'] / 1e9:.3f} GB of weights read per step)",
+        f"Prefill, {best}: {r['time_to_first_token'] * 1e3:.1f} ms to the first token, "
+        f"{r['prefill_tokens_per_second']:.1f} prompt tokens/s; mean: {r['time_to_first_token_mean'] * 1e3:.1f} ms, "
+        f"{r['prefill_tokens_per_second_mean']:.1f} prompt tokens/s (prompts not seen before)",
+    ]
+    if r["read_loop_gb_per_s"] is not None:
+        share = 100 * r["weight_bandwidth_gb_per_s"] / r["read_loop_gb_per_s"]
+        lines.append(f"Plain read loop, best of 3: {r['read_loop_gb_per_s']:.2f} GB/s (decode, {best}, reads weights "
+                     f"at {share:.0f}% of it); best torch matmul {r['torch_matmul_gflops']:.1f} GFLOP/s (float32, "
+                     "2048 x 2048 x 2048)")
+    return "".join(line + "\n" for line in lines)

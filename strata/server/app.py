@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from strata import __version__
 from strata.engine.async_engine import AsyncEngine
 from strata.errors import AuthError, ConfigError, EngineDeadError, NotFoundError, RequestError, StrataError
-from strata.server.contract import INVOCATIONS, ServedLimits
+from strata.server.contract import INVOCATIONS, ServedLimits, rendered_roles
 from strata.server.gate import Gate, GateMiddleware, error_headers
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi import install_openapi, route_doc
@@ -42,6 +42,7 @@ from strata.server.protocol import (
 )
 from strata.server.serving_chat import ChatServing
 from strata.server.serving_completions import CompletionServing
+from strata.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,8 @@ def served_limits(engine: AsyncEngine, auto_tool_choice: bool) -> ServedLimits:
         model_names=tuple(config.served_model_names), vocab_size=config.model.vocab_size,
         max_model_len=config.model.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
         image_input=getattr(engine.engine, "mm_processor", None) is not None,
-        empty_text_has_tokens=bool(engine.tokenizer("").input_ids), auto_tool_choice=auto_tool_choice)
+        empty_text_has_tokens=bool(engine.tokenizer("").input_ids), auto_tool_choice=auto_tool_choice,
+        roles=rendered_roles(lambda messages: apply_chat_template(engine.tokenizer, messages, config.chat_template)))
 
 
 def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate: Gate | None = None) -> FastAPI:
@@ -175,8 +177,9 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
 
     @v1.get("/models", **route_doc(None, ModelList, auth=True))
     async def models() -> Response:
-        cards = [ModelCard(id=name, root=config.model.path, max_model_len=config.model.max_model_len)
-                 for name in names]
+        # root: the model as given, as vLLM has it (a GGUF file, not its folder; a Hub ID, not the cache path)
+        root = config.model.source.model if config.model.source else config.model.path
+        cards = [ModelCard(id=name, root=root, max_model_len=config.model.max_model_len) for name in names]
         return json_response(ModelList(data=cards))
 
     @v1.post("/completions", **route_doc(CompletionRequest, CompletionResponse, auth=True, stream=True))

@@ -4,13 +4,14 @@ between fields. Each is a check the server makes (serving*.py, tools.py, structu
 so that clients and fuzzers stop where the server stops; tests/server/test_fuzz.py holds the two together."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from strata.multimodal.chat import IMAGE_PARTS, TEXT_PARTS
 from strata.sampling_params import STRUCTURED_KINDS
 from strata.server.protocol import INT64_MAX
-from strata.structured.json_schema import ANNOTATIONS, ENFORCED, FORMATS, SUBSCHEMA_MAPS
+from strata.structured.json_schema import ANNOTATIONS, ENFORCED, FORMATS, SUBSCHEMA_MAPS, TYPES
 
 JsonSchema = dict[str, Any]
 INVOCATIONS = "InvocationsRequest"  # the component of /invocations' body
@@ -32,6 +33,29 @@ class ServedLimits:
     image_input: bool
     empty_text_has_tokens: bool  # the tokenizer turns "" into tokens of its own (a BOS), so "" is a prompt
     auto_tool_choice: bool  # --enable-auto-tool-choice
+    roles: tuple[str, ...] = ()  # the message roles the chat template renders (rendered_roles)
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
+
+
+def rendered_roles(render: Callable[[list[dict[str, Any]]], object]) -> tuple[str, ...]:
+    """The roles of ROLES a chat template renders (`render` raises on the others, as the demo model's template does
+    for all but system, user and assistant): in a message alone, after a user message or before one. Empty where
+    it renders a made-up role too: any role goes, custom ones (vLLM's "narrator") included."""
+    def renders(role: str) -> bool:
+        message, user = {"role": role, "content": "x"}, {"role": "user", "content": "x"}
+        for messages in ([message], [user, message], [message, user]):
+            try:
+                render(messages)
+                return True
+            except Exception:  # noqa: BLE001, S112 - a template refuses in whatever way its author chose
+                continue
+        return False
+
+    if renders("strata-made-up-role"):
+        return ()
+    return tuple(role for role in ROLES if renders(role))
 
 
 def add_request_contract(components: dict[str, JsonSchema], limits: ServedLimits) -> None:
@@ -42,6 +66,10 @@ def add_request_contract(components: dict[str, JsonSchema], limits: ServedLimits
     _completion_fields(components["CompletionRequest"], limits)
     _chat_fields(components["ChatCompletionRequest"], limits)
     _content_part(components["ContentPart"], limits)
+    if limits.roles:
+        components["ChatMessage"]["properties"]["role"] = {
+            "type": "string", "enum": list(limits.roles),
+            "description": "the roles the served chat template renders (also with a request's own chat_template)"}
     tokenize = components["TokenizeRequest"]
     tokenize["properties"]["model"] = _model_name(limits)
     tokenize.setdefault("allOf", []).append({
@@ -59,9 +87,24 @@ def add_request_contract(components: dict[str, JsonSchema], limits: ServedLimits
 
 def json_schema_schema() -> JsonSchema:
     """A JSON Schema of the kind the structured-outputs backend enforces: strata.structured.json_schema refuses
-    every other keyword by name. What the keywords hold is that language's own affair, told in words."""
+    every other keyword by name, and values of the wrong kind. What only words can say: `$ref`s must resolve and
+    `pattern`s must compile."""
     keywords = sorted(ENFORCED | ANNOTATIONS | set(SUBSCHEMA_MAPS))
-    return {"type": "object", "propertyNames": {"enum": keywords},
+    sub = {"anyOf": [{"$ref": _REF.format(name="JsonSchema")}, {"type": "boolean"}]}
+    subs, by_name = {"type": "array", "minItems": 1, "items": sub}, {"type": "object", "additionalProperties": sub}
+    count, number, type_name = {"type": "integer", "minimum": 0}, {"type": "number"}, {"enum": sorted(TYPES)}
+    values: dict[str, JsonSchema] = {
+        "type": {"anyOf": [type_name, {"type": "array", "minItems": 1, "items": type_name}]},
+        "enum": {"type": "array", "minItems": 1}, "required": {"type": "array", "items": {"type": "string"}},
+        "anyOf": subs, "prefixItems": subs, **dict.fromkeys(SUBSCHEMA_MAPS, by_name),
+        **dict.fromkeys(("additionalProperties", "items", "propertyNames"), sub),
+        **dict.fromkeys(("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties"), count),
+        **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"), number),
+        "format": {"enum": sorted(FORMATS)}, "pattern": {"type": "string"},  # must compile: said in words
+        "$ref": {"type": "string"}}
+    assert set(values) <= set(keywords)
+    return {"type": "object", "propertyNames": {"enum": keywords}, "properties": values,
+            "not": {"required": ["pattern"], "anyOf": [{"required": ["minLength"]}, {"required": ["maxLength"]}]},
             "description": "A JSON Schema (an object) using only these keywords (anyOf, not oneOf), at every level; "
                            "`$ref`s must resolve, `pattern`s must compile, and a `pattern` cannot be combined "
                            f"with minLength/maxLength. Formats: {', '.join(sorted(FORMATS))}."}
@@ -190,9 +233,10 @@ def _response_format() -> JsonSchema:
 
 
 def _constraint_schema() -> JsonSchema:
-    return {"anyOf": [{"$ref": _REF.format(name="JsonSchema")},
-                      {"type": "string", "contentMediaType": "application/json",
-                       "description": "a JsonSchema as JSON text"}]}
+    # The server also takes the schema as JSON text (as vLLM does), which JSON Schema cannot tell from any other
+    # string: documented in words, or generators would send strings that are not JSON and expect them accepted.
+    return {"allOf": [{"$ref": _REF.format(name="JsonSchema")}],
+            "description": "a JsonSchema object (its JSON text in a string is accepted too)"}
 
 
 def _structured_outputs() -> JsonSchema:
@@ -212,8 +256,7 @@ def _structured_outputs() -> JsonSchema:
 
 
 def _tool() -> JsonSchema:
-    parameters = {"anyOf": [{"$ref": _REF.format(name="JsonSchema")},
-                            {"type": "string", "contentMediaType": "application/json"}, _NULL]}
+    parameters = {"anyOf": [_constraint_schema(), _NULL]}
     function = {"type": "object", "required": ["name"],
                 "properties": {"name": {"type": "string", "minLength": 1}, "description": {},
                                "parameters": parameters}}

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
+import shlex
 import signal
 from typing import Any
 
@@ -21,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 # After the drain, what the clients are still owed (error events, last chunks) gets this long to go out.
 _FLUSH_S = 5.0
+# Where the API key comes from when --api-key is not given, in this order (vLLM reads VLLM_API_KEY).
+API_KEY_VARIABLES = ("STRATA_API_KEY", "VLLM_API_KEY")
 
 
 def _resolve_model(args: argparse.Namespace) -> tuple[str, list[str] | None]:
@@ -36,11 +41,38 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, list[str] | None]:
     return str(demo_checkpoint_path()), args.served_model_name or [DEMO_MODEL_NAME]
 
 
+def resolve_api_key(flag: str | None) -> str | None:
+    """--api-key, else the first of STRATA_API_KEY and VLLM_API_KEY that is set and not empty, else None."""
+    if flag:
+        return flag
+    for variable in API_KEY_VARIABLES:
+        if os.environ.get(variable):
+            logger.info("API key from %s: /v1/* asks for `Authorization: Bearer KEY`", variable)
+            return os.environ[variable]
+    return None
+
+
+def client_example(names: tuple[str, ...] | list[str], host: str, port: int, api_key: str | None) -> str:
+    """A curl command that works against this server as started: its first served name, a reachable address, and
+    when a key is asked for, its header naming the variable that holds the key (never the key itself, which
+    would land in logs)."""
+    address = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    address = f"[{address}]" if ":" in address else address
+    body = json.dumps({"model": names[0], "prompt": "Hello", "max_tokens": 16})
+    key = ""
+    if api_key:
+        variable = next((v for v in API_KEY_VARIABLES if os.environ.get(v) == api_key), None)
+        key = f' -H "Authorization: Bearer ${variable}"' if variable else " -H 'Authorization: Bearer KEY'"
+    return (f"curl http://{address}:{port}/v1/completions -H 'Content-Type: application/json'{key} "
+            f"-d {shlex.quote(body)}")
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine, serve until drained or interrupted; non-zero exit when the engine died."""
     from strata.config import EngineConfig
     from strata.tokenizer import read_chat_template
 
+    args = argparse.Namespace(**{**vars(args), "api_key": resolve_api_key(args.api_key)})
     model, names = _resolve_model(args)
     config = EngineConfig.from_args(EngineArgs.from_cli_args(args, model), served_model_name=names,
                                     chat_template=read_chat_template(args.chat_template))
@@ -70,9 +102,10 @@ async def _serve(app: FastAPI, engine: AsyncEngine, gate: Gate, args: argparse.N
         def handle_exit(self, sig: int, frame: Any) -> None:  # uvicorn's signal handler, on the loop's thread
             drain.on_signal(sig)
 
-    level = str(getattr(args, "log_level", "INFO")).lower()
+    level = getattr(args, "uvicorn_log_level", None) or str(getattr(args, "log_level", "INFO")).lower()
+    access_log = not (args.disable_log_requests or getattr(args, "disable_uvicorn_access_log", False))
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
-                                           access_log=not args.disable_log_requests,
+                                           access_log=access_log,
                                            timeout_graceful_shutdown=_FLUSH_S))
     drain = Drain(server, engine, gate, args.shutdown_timeout)
     watchdog = asyncio.create_task(_watch(server, engine, args))
@@ -124,6 +157,8 @@ async def _watch(server: Any, engine: AsyncEngine, args: argparse.Namespace) -> 
     names = ", ".join(engine.config.served_model_names)
     logger.info("strata %s is serving %s at http://%s:%d/v1 (model %s)", __version__, names, args.host, args.port,
                 engine.config.model.path)
+    logger.info("try: %s", client_example(engine.config.served_model_names, args.host, args.port,
+                                          getattr(args, "api_key", None)))
     while not engine.is_dead:
         await asyncio.sleep(0.5)
     logger.error("the engine died (%s); stopping the server", engine.dead_error)

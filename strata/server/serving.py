@@ -53,7 +53,9 @@ class Serving:
         if not name:
             return self.served_model_names[0]
         if name not in self.served_model_names:
-            raise NotFoundError(f"The model `{name}` does not exist.", param="model")
+            served = ", ".join(f"`{n}`" for n in self.served_model_names)
+            raise NotFoundError(f"The model `{name}` does not exist. This server serves {served} (GET /v1/models).",
+                                param="model")
         return name
 
     def check_common(self, req: SamplingFields) -> None:

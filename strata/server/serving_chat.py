@@ -11,6 +11,7 @@ from strata.engine.request import ProcessedPrompt
 from strata.errors import RequestError
 from strata.outputs import CompletionOutput, RequestOutput
 from strata.sampling_params import SamplingParams
+from strata.server.contract import rendered_roles
 from strata.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -37,7 +38,7 @@ from strata.server.serving import (
 )
 from strata.server.tool_parsers import ParsedCall, tool_call_markers
 from strata.server.tools import ToolPlan, plan_tools, template_messages
-from strata.tokenizer import chat_template_keywords, drops_special_markers
+from strata.tokenizer import apply_chat_template, chat_template_keywords, drops_special_markers
 
 
 @dataclass
@@ -65,6 +66,8 @@ class ChatServing(Serving):
         self.think_markers_special = self.reasoning is not None and drops_special_markers(
             self.tokenizer, (self.reasoning.start, self.reasoning.end))
         self.chat_template = chat_template
+        # The roles /openapi.json lists: a request's own chat_template does not widen them (the schema cannot say so)
+        self.roles = rendered_roles(lambda messages: apply_chat_template(self.tokenizer, messages, chat_template))
         self.media_options = {"allowed_local_media_path": allowed_local_media_path,
                               "allow_remote_media": allow_remote_media}
 
@@ -73,6 +76,10 @@ class ChatServing(Serving):
                template_kwargs: dict[str, Any] | None = None, validate: bool = True, **fields: Any) -> ProcessedPrompt:
         """The conversation as a prompt, validated unless asked not to (the template carries its own BOS, so
         none is added). `template_kwargs`: the request's chat_template_kwargs; `fields`: its tools and documents."""
+        unknown = sorted({m.role for m in messages} - set(self.roles))
+        if unknown and self.roles:
+            raise RequestError(f"messages: role {unknown[0]!r} is not one of {', '.join(self.roles)} (the roles the "
+                               "served chat template renders)", param="messages")
         add_generation_prompt, kwargs = chat_template_keywords(template_kwargs, add_generation_prompt,
                                                                continue_final_message, **fields)
         return self.engine.render_chat(template_messages([m.model_dump(exclude_none=True) for m in messages]),

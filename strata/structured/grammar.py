@@ -18,6 +18,7 @@ import torch
 from strata.config import StructuredOutputsConfig
 from strata.errors import RequestError
 from strata.sampling_params import StructuredOutputsParams
+from strata.structured.json_numbers import bound_number_digits
 from strata.structured.json_schema import load_schema
 
 if TYPE_CHECKING:
@@ -94,6 +95,9 @@ class GrammarCompiler:
             reason = str(e).strip().splitlines()[0]
             reason = reason.split(": ", 1)[-1] if reason.startswith("[") else reason
             raise RequestError(f"{param} cannot be compiled: {reason}", param=param) from None
+        except UnicodeDecodeError as e:  # xgrammar's message quoted a character cut in half: decode it leniently
+            reason = e.object.decode(errors="replace").strip().splitlines()[0].split(": ", 1)[-1]
+            raise RequestError(f"{param} cannot be compiled: {reason}", param=param) from None
         self.compile_times[params.key] = time.perf_counter() - started
         return compiled
 
@@ -105,7 +109,7 @@ class GrammarCompiler:
             schema, strict = (params.json, True) if params.json is not None else ('{"type": "object"}', False)
             schema = schema if isinstance(schema, str) else json.dumps(schema)
             grammar = str(_xgrammar().Grammar.from_json_schema(schema, strict_mode=strict, **whitespace))
-            return compiler.compile_grammar(grammar.replace(_STRING_CHAR, _JSON_STRING_CHAR))
+            return compiler.compile_grammar(bound_number_digits(grammar.replace(_STRING_CHAR, _JSON_STRING_CHAR)))
         if params.regex is not None:
             return compiler.compile_regex(params.regex)
         if params.choice is not None:

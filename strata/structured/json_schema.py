@@ -1,5 +1,6 @@
 """Which JSON-schema keywords the grammar backend enforces; a schema using any other is refused by name, never
-silently loosened (xgrammar ignores, for example, `allOf`, `uniqueItems`, `contains` and unknown formats)."""
+silently loosened (xgrammar ignores, for example, `allOf`, `uniqueItems`, `contains`, unknown formats and most
+`multipleOf`s)."""
 from __future__ import annotations
 
 import json
@@ -15,12 +16,15 @@ ENFORCED = {
     "propertyNames",
     "items", "prefixItems", "minItems", "maxItems",
     "minLength", "maxLength", "pattern", "format",
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
 }
 FORMATS = {"email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname", "uri",
            "uri-reference"}
 TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# Why a keyword is refused, where a user may wonder: xgrammar (0.2.9) drops `multipleOf` on numbers, on one-sided
+# or wide ranges and past 1024, and without a range writes an unbounded run of digits.
+_HINTS = {"oneOf": " (use anyOf)", "multipleOf": " (list the allowed values in an enum)"}
 
 
 def load_schema(schema: str | dict[str, Any], param: str) -> dict[str, Any] | bool:
@@ -46,7 +50,7 @@ def check_schema(schema: Any, param: str, path: str) -> None:
         if keyword in ANNOTATIONS - {"$defs", "definitions"}:
             continue
         if keyword not in ENFORCED and keyword not in SUBSCHEMA_MAPS:
-            hint = " (use anyOf)" if keyword == "oneOf" else ""
+            hint = _HINTS.get(keyword, "")
             raise RequestError(f"{param}: the JSON-schema keyword {keyword!r} at {path} cannot be enforced by the "
                                f"structured-outputs backend{hint}", param=param)
         _check_keyword(keyword, value, param, f"{path}/{keyword}")
@@ -82,7 +86,7 @@ def _check_keyword(keyword: str, value: Any, param: str, path: str) -> None:
     elif keyword in ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties"):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise bad(f"must be a non-negative integer, got {value!r}")
-    elif keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+    elif keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise bad(f"must be a number, got {value!r}")
     elif keyword == "format" and (not isinstance(value, str) or value not in FORMATS):

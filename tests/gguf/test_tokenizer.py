@@ -48,3 +48,24 @@ def test_a_sentencepiece_vocabulary_splits_text_as_sentencepiece_does(spm_gguf):
         out = llm.generate([TEXTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert out[0].prompt_token_ids == [sp.bos_id()] + sp.encode(TEXTS[0])
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_a_smollm_style_vocabulary_splits_digits_as_its_own_tokenizer_and_llama_cpp_do(tmp_path):
+    """`tokenizer.ggml.pre` "smollm" (also starcoder, command-r, ...): llama.cpp splits single digits before the GPT-2
+    rule, as SmolLM2's own tokenizer.json does (a Digits pre-tokenizer). Without it, whitespace before a digit came
+    apart ("\\n\\n  1" as "\\n\\n ", " ", "1"): 19 more tokens than llama.cpp on the GPL v3 text."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    from strata.tokenizer import load_tokenizer
+
+    hf = make_llama(tmp_path / "hf", seed=7)
+    own = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    own.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    path = write_gguf(hf, tmp_path / "smollm.gguf", types_by_prefix({}, Q8_0), pre="smollm")[0]
+    tokenizer = load_tokenizer(str(path.parent), str(path))
+    digits = "Section\n\n  10. Terms 2007 and  42, return a + b  1"
+    for text in [*TEXTS, digits]:
+        assert tokenizer(text, add_special_tokens=False).input_ids == own.encode(text, add_special_tokens=False).ids
+    gpt2_only = Tokenizer.from_file(str(hf / "tokenizer.json"))  # the rule alone splits this text otherwise
+    assert gpt2_only.encode(digits, add_special_tokens=False).ids != own.encode(digits, add_special_tokens=False).ids

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import API_KEY, MAX_MODEL_LEN, MODEL
+from conftest import ALIAS, API_KEY, MAX_MODEL_LEN, MODEL
 
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
 
@@ -50,8 +50,8 @@ def test_wrong_field_type_is_named(http):
 
 def test_unknown_model_is_404(http):
     error = _error(http.post("/v1/completions", json={**GOOD, "model": "gpt-17"}), 404)
-    assert error == {"message": "The model `gpt-17` does not exist.", "type": "NotFoundError", "param": "model",
-                     "code": 404}
+    assert error == {"message": f"The model `gpt-17` does not exist. This server serves `{MODEL}`, `{ALIAS}` "
+                                "(GET /v1/models).", "type": "NotFoundError", "param": "model", "code": 404}
     _error(http.post("/v1/chat/completions", json={"model": "gpt-17", "messages": [{"role": "user",
                                                                                     "content": "hi"}]}), 404)
 

@@ -2,7 +2,8 @@
 rows of x the fixed-point kernels (x rounded to 24-bit integers, one pass a row) beat the float ones (each run
 widened once for all rows); for each kind of narrow weight, whether the large-batch products run on AMX tiles or
 the FMA GEMM, and up to how many rows the small-batch kernels beat that GEMM. A short calibration on the
-first weight of a kind, cached per build and CPU."""
+first weight of a kind, cached per build and CPU; figures that do not repeat (a busy machine) are never cached.
+STRATA_RECALIBRATE=1 (or `strata bench kernels --recalibrate`) measures again."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,23 +24,94 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = 4  # rows timed: past a few rows one pass a row loses on every CPU measured
 _WEIGHT_BYTES = 64 << 20  # more than most last-level caches: the rows come from memory, as a model's do
 _REPEATS = 5
+# Two timings of the same products agree when every figure is within 10% of the other's: on an idle core best-of-5
+# figures repeat within a few percent, while another process on the core inflates some figures by a time slice
+# (a calibration taken so would steer every later load); three timings without two in a row agreeing keep the
+# defaults, uncached, to measure again on the next load.
+_TOLERANCE, _ATTEMPTS = 0.10, 3
+_clock = time.perf_counter  # a test's fake timer goes here
+_measured: set[str] = set()  # keys measured by this process: under STRATA_RECALIBRATE, the only cache entries read
+_announced = False
+_busy = False  # a calibration of this process found the machine busy: the rest keep their defaults, untimed
 
 
-def _cache_file() -> Path:
+class MachineBusy(Exception):
+    """The timings of a calibration did not repeat: the choice keeps its default and nothing is cached."""
+
+
+def machine_was_busy() -> bool:
+    """Whether a calibration of this process found timings that did not repeat (its choices kept their defaults)."""
+    return _busy
+
+
+def recalibrating() -> bool:
+    return os.environ.get("STRATA_RECALIBRATE", "") not in ("", "0")
+
+
+def _announce() -> None:
+    """One line before this process's first measurement, saying what the pause is."""
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.info("measuring this CPU's kernel crossovers once for this build (~20 s on a first load, then cached "
+                    "in %s; STRATA_RECALIBRATE=1 or `strata bench kernels --recalibrate` measures again)",
+                    cache_file())
+
+
+def _settled(time_once: Callable[[], list[float]], what: str) -> list[float]:
+    """The figures of `time_once`, taken until two timings in a row agree within _TOLERANCE (the lower of each
+    pair), at most _ATTEMPTS times; MachineBusy where they never do, and from then on in this process without
+    timing anything (each would cost its _ATTEMPTS timings to learn the same; the next load measures again)."""
+    global _busy
+    if _busy:
+        raise MachineBusy(what)
+    _announce()
+    previous, spread = time_once(), 0.0
+    for _ in range(_ATTEMPTS - 1):
+        current = time_once()
+        spread = max(abs(a - b) / max(min(a, b), 1e-12) for a, b in zip(previous, current, strict=True))
+        if spread <= _TOLERANCE:
+            return [min(a, b) for a, b in zip(previous, current, strict=True)]
+        previous = current
+    logger.warning("kernel timings for %s differ by up to %.0f%% from one run to the next (a busy machine?): this "
+                   "process keeps the default choices, uncached, to be measured on the next load", what, 100 * spread)
+    _busy = True
+    raise MachineBusy(what)
+
+
+def cache_file() -> Path:
     """The calibrations of this build of the kernels (its name hashes the sources, compiler flags and CPU flags)."""
     library = getattr(cpu_matmul._library(), "_name", "weight_only")
     return native.cache_dir() / f"{Path(library).stem}-choices.json"
 
 
+def forget() -> None:
+    """Drops this build's cached choices, and what this process chose, so that every choice is measured again."""
+    global _busy
+    cache_file().unlink(missing_ok=True)
+    _measured.clear()
+    _busy = False
+    fixed_point_rows.cache_clear()
+    gemm_engine.cache_clear()
+
+
+def _cached(key: str) -> int | None:
+    """The cached choice for `key`; under STRATA_RECALIBRATE only one this process measured."""
+    if recalibrating() and key not in _measured:
+        return None
+    return _read_cache().get(key)
+
+
 def _read_cache() -> dict[str, int]:
     try:
-        return {k: int(v) for k, v in json.loads(_cache_file().read_text()).items()}
+        return {k: int(v) for k, v in json.loads(cache_file().read_text()).items()}
     except (OSError, ValueError, AttributeError):
         return {}
 
 
 def _write_cache(key: str, rows: int) -> None:
-    path = _cache_file()
+    _measured.add(key)
+    path = cache_file()
     entries = _read_cache() | {key: rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # workers may calibrate at once: each renames its own file
@@ -51,9 +124,9 @@ def _best_seconds(product) -> float:
     product()
     best = float("inf")
     for _ in range(_REPEATS):
-        started = time.perf_counter()
+        started = _clock()
         product()
-        best = min(best, time.perf_counter() - started)
+        best = min(best, _clock() - started)
     return best
 
 
@@ -64,19 +137,27 @@ def _product_seconds(weight: torch.Tensor, kind: int, k: int, rows: int) -> floa
 
 def measure_fixed_point_rows(kind: int, values_per_block: int, bytes_per_block: int) -> int:
     """Times both kernels at 1..MAX_ROWS rows on a [N, 4096] weight of this kind and returns the most rows up to
-    which the fixed-point one is faster at every count. The weight's bytes are all 0x11: valid blocks of normal
-    scales (their arithmetic costs what any weight's does) that the zero page cannot stand in for."""
+    which the fixed-point one is faster at every count (MachineBusy where the timings do not repeat). The weight's
+    bytes are all 0x11: valid blocks of normal scales (their arithmetic costs what any weight's does) that the zero
+    page cannot stand in for."""
     k = 4096
     row_bytes = k // values_per_block * bytes_per_block
     weight = torch.full((_WEIGHT_BYTES // row_bytes, row_bytes), 0x11, dtype=torch.uint8)
     lib = cpu_matmul._library()
-    times = {}
-    try:
+    before = lib.fixed_point_rows(kind)
+
+    def time_once() -> list[float]:
+        figures = []
         for fixed in (True, False):
             lib.set_fixed_point_rows(kind, MAX_ROWS if fixed else 0)
-            times[fixed] = [_product_seconds(weight, kind, k, m) for m in range(1, MAX_ROWS + 1)]
+            figures += [_product_seconds(weight, kind, k, m) for m in range(1, MAX_ROWS + 1)]
+        return figures
+
+    try:
+        figures = _settled(time_once, f"GGUF kind {kind}")
     finally:
-        lib.set_fixed_point_rows(kind, 0)
+        lib.set_fixed_point_rows(kind, before)
+    times = {True: figures[:MAX_ROWS], False: figures[MAX_ROWS:]}
     chosen = 0
     while chosen < MAX_ROWS and times[True][chosen] < times[False][chosen]:
         chosen += 1
@@ -97,10 +178,13 @@ def fixed_point_rows(qtype: int) -> int | None:
     if lib.fixed_point_rows(kind) < 0:
         return None  # no such kernel here (a portable build, or a kind it does not serve)
     key = gguf_quants.type_name(qtype)
-    rows = _read_cache().get(key)
+    rows = _cached(key)
     if rows is None or not 0 <= rows <= MAX_ROWS:  # none yet, or a cache file edited out of range
         t = gguf_quants.TYPES[qtype]
-        rows = measure_fixed_point_rows(kind, t.values_per_block, t.bytes_per_block)
+        try:
+            rows = measure_fixed_point_rows(kind, t.values_per_block, t.bytes_per_block)
+        except MachineBusy:
+            return lib.fixed_point_rows(kind)  # the build's default
         _write_cache(key, rows)
     lib.set_fixed_point_rows(kind, rows)
     return rows
@@ -140,16 +224,22 @@ def _gemm_operands(kind: int) -> dict:
 
 def measure_gemm_engine(kind: int) -> str | None:
     """Times the FMA GEMM and the AMX one on GEMM_ROWS rows of x and returns the faster; None where the operating
-    system refuses this process AMX's tile state."""
+    system refuses this process AMX's tile state (MachineBusy where the timings do not repeat)."""
     lib, operands = cpu_matmul._gemm_library(), _gemm_operands(kind)
     x = torch.randn(GEMM_ROWS, GEMM_K)
-    times = {}
+    if lib.set_gemm_engine(kind, GEMM_ENGINES.index("AMX")) != 0:
+        return None
+
+    def time_once() -> list[float]:
+        figures = []
+        for number in range(len(GEMM_ENGINES)):
+            lib.set_gemm_engine(kind, number)
+            figures.append(_best_seconds(lambda: cpu_matmul.narrow_gemm(x, out_features=GEMM_N, kind=kind,
+                                                                        **operands)))
+        return figures
+
     try:
-        for number, engine in enumerate(GEMM_ENGINES):
-            if lib.set_gemm_engine(kind, number) != 0:
-                return None
-            times[engine] = _best_seconds(lambda: cpu_matmul.narrow_gemm(x, out_features=GEMM_N, kind=kind,
-                                                                         **operands))
+        times = dict(zip(GEMM_ENGINES, _settled(time_once, f"the {kind_name(kind)} GEMM"), strict=True))
     finally:
         lib.set_gemm_engine(kind, 0)
     chosen = min(times, key=times.get)
@@ -169,8 +259,11 @@ def gemm_engine(kind: int) -> str | None:
     if lib.gemm_engine(kind) < 0:
         return None
     key = f"gemm {kind_name(kind)}"
-    cached = _read_cache().get(key)
-    engine = GEMM_ENGINES[cached] if cached in (0, 1) else measure_gemm_engine(kind)
+    cached = _cached(key)
+    try:
+        engine = GEMM_ENGINES[cached] if cached in (0, 1) else measure_gemm_engine(kind)
+    except MachineBusy:
+        return "FMA"  # the build's default, left set by the measurement
     if engine is not None and cached is None:
         _write_cache(key, GEMM_ENGINES.index(engine))
     if engine is None or lib.set_gemm_engine(kind, GEMM_ENGINES.index(engine)) != 0:
@@ -201,12 +294,15 @@ def measure_small_batch_rows(operands: dict, k: int) -> int:
     """Times the small-batch kernel and the GEMM at _CROSSOVER_ROWS rows of x [rows, k] on one weight (cpu_matmul's
     keywords), each call a pass over copies of it, and returns the most rows up to which the small-batch kernel is
     faster at every count timed (7 when it loses at 8: fewer rows are not timed, the kernel reads each weight row
-    once for all of them)."""
-    copies, times = _weight_copies(operands), []
-    for rows in _CROSSOVER_ROWS:
-        x = torch.randn(rows, k)
-        times.append(tuple(_best_seconds(lambda product=product, x=x: [product(x, **c) for c in copies])
-                           for product in (cpu_matmul.matmul, cpu_matmul.narrow_gemm)))
+    once for all of them). MachineBusy where the timings do not repeat."""
+    copies, inputs = _weight_copies(operands), [torch.randn(rows, k) for rows in _CROSSOVER_ROWS]
+
+    def time_once() -> list[float]:
+        return [_best_seconds(lambda product=product, x=x: [product(x, **c) for c in copies])
+                for x in inputs for product in (cpu_matmul.matmul, cpu_matmul.narrow_gemm)]
+
+    figures = _settled(time_once, f"{kind_name(operands['kind'])} [{operands['out_features']} x {k}]")
+    times = list(zip(figures[::2], figures[1::2], strict=True))
     chosen = _CROSSOVER_ROWS[0] - 1
     for rows, (small, gemm) in zip(_CROSSOVER_ROWS, times, strict=True):
         if small >= gemm:
@@ -233,9 +329,12 @@ def small_batch_rows(operands: dict, k: int) -> int:
         return most
     engine = gemm_engine(kind) or "FMA"
     key = f"small-batch {kind_name(kind)} {operands['out_features']}x{k} {engine}"
-    rows = _read_cache().get(key)
+    rows = _cached(key)
     if rows is None or not 1 <= rows <= most:
-        rows = measure_small_batch_rows(operands, k)
+        try:
+            rows = measure_small_batch_rows(operands, k)
+        except MachineBusy:
+            return most
         _write_cache(key, rows)
     return rows
 

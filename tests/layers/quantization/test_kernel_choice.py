@@ -4,6 +4,7 @@ pick."""
 from __future__ import annotations
 
 import json
+import logging
 
 import gguf_packing as gp
 import pytest
@@ -19,6 +20,11 @@ def fresh_choice(tmp_path, monkeypatch):
     """An empty kernel cache, a small calibration weight, and each kind's crossover put back afterwards."""
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_choice, "_WEIGHT_BYTES", 1 << 20)
+    # Real timings on a shared test machine need not repeat: the busy-machine rule has tests of its own (fake timer).
+    monkeypatch.setattr(kernel_choice, "_TOLERANCE", float("inf"))
+    monkeypatch.setattr(kernel_choice, "_busy", False)
+    monkeypatch.setattr(kernel_choice, "_measured", set())
+    monkeypatch.delenv("STRATA_RECALIBRATE", raising=False)
     lib = cpu_matmul._library()
     kinds = [gguf_quants.kernel_kind(t) for t in (gp.Q4_0, gp.Q4_1, gp.Q4_K, gp.Q6_K)]
     before = {kind: lib.fixed_point_rows(kind) for kind in kinds}
@@ -199,6 +205,7 @@ def test_crossover_timing_reads_copies_of_the_weight_as_a_model_reads_its_weight
             return torch.zeros(x.shape[0], 64)
         return run
 
+    monkeypatch.setattr(kernel_choice, "_clock", SteadyClock(1e-3))  # no-op products: their timings would be noise
     monkeypatch.setattr(kernel_choice.cpu_matmul, "matmul", product("small"))
     monkeypatch.setattr(kernel_choice.cpu_matmul, "narrow_gemm", product("gemm"))
     operands = {"weight": weight, "kind": cpu_matmul.KIND_INT8, "out_features": 64}
@@ -210,3 +217,106 @@ def test_crossover_timing_reads_copies_of_the_weight_as_a_model_reads_its_weight
     assert len(kernel_choice._weight_copies(large)) == 3  # up to _COPIES_BYTES in all
     huge = {**operands, "weight": torch.zeros(3 * third + 1, 512, dtype=torch.uint8)}
     assert len(kernel_choice._weight_copies(huge)) == 1
+
+
+class SteadyClock:
+    """A fake timer on which every timed call takes `step` seconds."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step / 2  # a timed call reads the clock twice
+        return self.now
+
+
+class FakeMachine:
+    """Fake products whose cost moves a fake clock: the small-batch kernel 10 us a row, the GEMM 105 us a call, so
+    that they cross after 10 rows. Busy: every call costs 0.4% more than the one before (another process taking
+    more and more of the core), so that no two timings repeat."""
+
+    def __init__(self, busy: bool = False) -> None:
+        self.now, self.busy, self.calls, self.log_lines_at_first_call = 0.0, busy, 0, None
+
+    def clock(self) -> float:
+        return self.now
+
+    def product(self, seconds_per_call):
+        def run(x, **_):
+            if self.log_lines_at_first_call is None:
+                self.log_lines_at_first_call = list(self.caplog.messages) if hasattr(self, "caplog") else []
+            self.calls += 1
+            self.now += seconds_per_call(x.shape[0]) * (1 + 0.004 * self.calls if self.busy else 1.0)
+            return torch.zeros(x.shape[0], 8)
+        return run
+
+    def install(self, monkeypatch) -> FakeMachine:
+        monkeypatch.setattr(kernel_choice, "_clock", self.clock)
+        monkeypatch.setattr(kernel_choice, "_TOLERANCE", 0.10)
+        monkeypatch.setattr(kernel_choice.cpu_matmul, "matmul", self.product(lambda rows: 10e-6 * rows))
+        monkeypatch.setattr(kernel_choice.cpu_matmul, "narrow_gemm", self.product(lambda rows: 105e-6))
+        monkeypatch.setattr(kernel_choice, "gemm_engine", lambda kind: "FMA")
+        return self
+
+
+INT8 = {"weight": torch.zeros(8, 64, dtype=torch.uint8), "kind": cpu_matmul.KIND_INT8, "out_features": 8}
+INT8_KEY = "small-batch int8 8x64 FMA"
+
+
+def _cache() -> dict:
+    return json.loads(kernel_choice.cache_file().read_text())
+
+
+def test_timings_are_taken_until_two_in_a_row_agree_within_the_tolerance(fresh_choice, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "_TOLERANCE", 0.10)
+    runs = iter([[1.0, 1.0], [2.0, 1.0], [2.1, 1.05]])  # the second and third agree (5%), the first is off
+    assert kernel_choice._settled(lambda: next(runs), "test") == [2.0, 1.0]  # the lower of the agreeing pair
+    runs = iter([[1.0], [1.2], [1.0], [0.5]])
+    with pytest.raises(kernel_choice.MachineBusy):
+        kernel_choice._settled(lambda: next(runs), "test")
+    assert next(runs) == [0.5]  # three timings at most
+
+
+def test_a_quiet_machine_caches_the_crossover_its_timings_show(fresh_choice, monkeypatch):
+    machine = FakeMachine().install(monkeypatch)
+    assert kernel_choice.small_batch_rows(INT8, 64) == 10  # 10 rows cost 100 us < 105; 11 rows 110
+    assert _cache() == {INT8_KEY: 10}
+    calls = machine.calls
+    assert kernel_choice.small_batch_rows(INT8, 64) == 10 and machine.calls == calls  # the cache answers
+
+
+def test_a_busy_machine_keeps_the_defaults_caches_nothing_and_times_nothing_more(fresh_choice, monkeypatch, caplog):
+    machine = FakeMachine(busy=True).install(monkeypatch)
+    assert kernel_choice.small_batch_rows(INT8, 64) == weight_only.SMALL_BATCH
+    assert "differ by up to" in caplog.text and kernel_choice.machine_was_busy()
+    assert not kernel_choice.cache_file().exists()
+    calls = machine.calls
+    other = {**INT8, "weight": torch.zeros(16, 64, dtype=torch.uint8), "out_features": 16}
+    assert kernel_choice.small_batch_rows(other, 64) == weight_only.SMALL_BATCH and machine.calls == calls
+    monkeypatch.setattr(kernel_choice, "_busy", False)  # the next load, on an idle machine, measures again
+    machine.busy = False
+    assert kernel_choice.small_batch_rows(other, 64) == 10 and _cache() == {"small-batch int8 16x64 FMA": 10}
+
+
+def test_strata_recalibrate_measures_again_and_replaces_the_cached_choice(fresh_choice, monkeypatch):
+    machine = FakeMachine().install(monkeypatch)
+    kernel_choice._write_cache(INT8_KEY, 3)  # figures taken on a busy day, say
+    kernel_choice._measured.clear()  # ... by an earlier process
+    assert kernel_choice.small_batch_rows(INT8, 64) == 3 and machine.calls == 0  # the cache answers
+    monkeypatch.setenv("STRATA_RECALIBRATE", "1")
+    assert kernel_choice.small_batch_rows(INT8, 64) == 10 and machine.calls > 0
+    assert _cache() == {INT8_KEY: 10}
+    calls = machine.calls
+    assert kernel_choice.small_batch_rows(INT8, 64) == 10 and machine.calls == calls  # measured once a process
+
+
+def test_the_first_measurement_is_announced_at_info_before_it_starts(fresh_choice, monkeypatch, caplog):
+    monkeypatch.setattr(kernel_choice, "_announced", False)
+    machine = FakeMachine().install(monkeypatch)
+    machine.caplog = caplog
+    with caplog.at_level(logging.INFO, logger=kernel_choice.__name__):
+        kernel_choice.small_batch_rows(INT8, 64)
+        kernel_choice.small_batch_rows({**INT8, "out_features": 16, "weight": torch.zeros(16, 64)}, 64)
+    announced = [m for m in caplog.messages if "measuring this CPU's kernel crossovers once" in m]
+    assert len(announced) == 1 and "~20 s" in announced[0] and "STRATA_RECALIBRATE=1" in announced[0]
+    assert announced[0] in machine.log_lines_at_first_call
