@@ -12,7 +12,7 @@ from strata.bench.perplexity import add_perplexity_args
 from strata.bench.speculative import add_speculative_args
 from strata.bench.throughput import add_throughput_args
 from strata.cli_common import finish_parser, log_level, parse_command_line, warn_ignored_flags
-from strata.engine_args import EngineArgs, byte_size
+from strata.config.engine_args import EngineArgs, byte_size
 from strata.errors import StrataError
 from strata.server.tool_parsers import TOOL_CALL_PARSERS
 

@@ -10,9 +10,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from strata.config import EngineConfig
+from strata.config.engine_args import EngineArgs
 from strata.engine.engine import Engine, PromptInput
 from strata.engine.request import ProcessedPrompt
-from strata.engine_args import EngineArgs
 from strata.executor.spawn_guard import refuse_engine_in_spawn_bootstrap
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from strata.config import EngineConfig
+from strata.config.engine_args import EngineArgs
 from strata.distributed import (
     Collective,
     ParallelContext,
@@ -28,7 +29,6 @@ from strata.distributed import (
     pp_layer_range,
     rank_layout,
 )
-from strata.engine_args import EngineArgs
 from strata.layers.attention import Attention
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.mamba.mixer import MambaState, state_bytes_per_slot

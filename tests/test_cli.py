@@ -12,7 +12,7 @@ import pytest
 import strata.cli
 from strata.cli import build_parser, main
 from strata.cli_common import ENGINE_FLAGS, SERVER_FLAGS, _verb_parsers
-from strata.engine_args import EngineArgs
+from strata.config.engine_args import EngineArgs
 
 
 def test_version_prints_the_installed_package_version(capsys):

@@ -10,7 +10,7 @@ from checkpoints import make_llama
 
 from strata import config as config_module
 from strata.config import EngineConfig
-from strata.engine_args import EngineArgs
+from strata.config.engine_args import EngineArgs
 from strata.errors import ConfigError
 
 

@@ -10,7 +10,7 @@ import strata.llm
 from strata import LLM
 from strata.cli import build_parser
 from strata.config import EngineConfig
-from strata.engine_args import EngineArgs, option_names
+from strata.config.engine_args import EngineArgs, option_names
 
 # A value other than the default for every option, with how it is written on the command line.
 NON_DEFAULTS = {

@@ -9,8 +9,8 @@ import pytest
 
 from strata.cli import main
 from strata.config import ModelConfig
+from strata.config.hf_config import read_config_json
 from strata.errors import ConfigError
-from strata.hf_config import read_config_json
 
 
 @pytest.fixture

@@ -23,10 +23,7 @@ LEVELS: list[tuple[str, list[str]]] = [
     ("kernels", ["strata.kernels"]),
     ("leaf modules", ["strata.distributed", "strata.config", "strata.sampling_params", "strata.errors",
                       "strata.outputs", "strata.tokenizer", "strata.host_memory", "strata.native", "strata.demo",
-                      "strata.engine_args", "strata.model_registry", "strata.hf_config", "strata.tp_rules",
-                      "strata.layout_rules",
-                      "strata.quant_config", "strata.model_source", "strata.hub", "strata.reasoning",
-                      "strata.speculative_config", "strata.gguf", "strata.harmony"]),
+                      "strata.model_source", "strata.hub", "strata.reasoning", "strata.gguf", "strata.harmony"]),
 ]
 
 

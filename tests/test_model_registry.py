@@ -9,9 +9,9 @@ import transformers
 from mamba_checkpoints import make_plamo2
 
 from strata.config import ModelConfig
+from strata.config.hf_config import HFConfig
+from strata.config.model_registry import architecture_of
 from strata.errors import UnsupportedModelError
-from strata.hf_config import HFConfig
-from strata.model_registry import architecture_of
 
 # A checkpoint's config as transformers writes it, and the Auto class that loads such a checkpoint.
 CASES = {

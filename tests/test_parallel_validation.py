@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from strata import LLM, ConfigError
-from strata import model_registry as registry
 from strata.config import EngineConfig
+from strata.config import model_registry as registry
 from strata.executor import multiproc
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata.quant_config import AWQ, GPTQ, PACKED, LinearScheme, QuantConfig, quant_tp_problem
+from strata.config.quant_config import AWQ, GPTQ, PACKED, LinearScheme, QuantConfig, quant_tp_problem
 
 
 def _config(scheme: LinearScheme) -> QuantConfig:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from strata.cli import build_parser
-from strata.engine_args import EngineArgs
+from strata.config.engine_args import EngineArgs
+from strata.config.speculative_config import parse_speculative_config
 from strata.errors import ConfigError
-from strata.speculative_config import parse_speculative_config
 
 
 def test_ngram_lookup_bounds_follow_vllms_defaults():

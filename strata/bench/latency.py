@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.bench.throughput import random_prompts
-from strata.engine_args import EngineArgs, engine_kwargs
+from strata.config.engine_args import EngineArgs, engine_kwargs
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

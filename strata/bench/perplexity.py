@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from strata.engine_args import EngineArgs, engine_kwargs
+from strata.config.engine_args import EngineArgs, engine_kwargs
 from strata.errors import ConfigError, UnsupportedModelError
 from strata.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from strata.bench.grounded import grounded_prompts
-from strata.engine_args import EngineArgs, engine_kwargs
+from strata.config.engine_args import EngineArgs, engine_kwargs
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from strata.engine_args import EngineArgs, engine_kwargs
+from strata.config.engine_args import EngineArgs, engine_kwargs
 from strata.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

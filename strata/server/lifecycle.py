@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from strata import __version__
+from strata.config.engine_args import EngineArgs
 from strata.engine.async_engine import AsyncEngine
-from strata.engine_args import EngineArgs
 from strata.errors import OverloadedError, RequestError
 from strata.server.app import build_app
 from strata.server.gate import Gate

@@ -169,7 +169,7 @@ def test_ssm_state_dtype_follows_the_option(plamo2):
 
 def test_ssm_state_dtype_flag_reaches_the_engine_config():
     from strata.cli import build_parser
-    from strata.engine_args import engine_kwargs
+    from strata.config.engine_args import engine_kwargs
 
     args = build_parser().parse_args(["bench", "throughput", "--model", "m", "--input-len", "1", "--output-len", "1",
                                       "--num-prompts", "1", "--mamba-ssm-cache-dtype", "bfloat16"])

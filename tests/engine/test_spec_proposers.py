@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 
+from strata.config.speculative_config import parse_speculative_config
 from strata.engine.request import Request
 from strata.engine.speculative.decoder import within_budget
 from strata.engine.speculative.draft_length import DraftDepth
@@ -14,7 +15,6 @@ from strata.engine.speculative.ngram import continuation, latest_longest_match
 from strata.engine.speculative.suffix import SuffixProposer
 from strata.engine.speculative.suffix_tree import SuffixTree
 from strata.sampling_params import SamplingParams
-from strata.speculative_config import parse_speculative_config
 
 
 def brute_force_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:

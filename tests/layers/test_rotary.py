@@ -43,7 +43,7 @@ def test_partial_longrope_rotation_matches_transformers_phi3(max_model_len, posi
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
-    from strata.hf_config import HFConfig
+    from strata.config.hf_config import HFConfig
     from strata.layers.rotary import partial_rotary_factor, rope_parameters
 
     values = dict(hidden_size=64, num_attention_heads=2, partial_rotary_factor=0.5, max_position_embeddings=256,

@@ -9,8 +9,8 @@ from checkpoints import make_llama
 from strata import LLM, SamplingParams
 from strata import config as config_module
 from strata.config import EngineConfig
+from strata.config.engine_args import EngineArgs
 from strata.distributed import ParallelContext
-from strata.engine_args import EngineArgs
 from strata.layers.embedding import VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
 from strata.layers.norm import RMSNorm

@@ -6,12 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strata.config import EngineConfig, resolve_device
+from strata.config.speculative_config import SpeculativeConfig
 from strata.engine.request import Request
 from strata.engine.speculative.draft_length import DraftDepth
 from strata.engine.speculative.draft_model import DraftModelProposer
 from strata.engine.speculative.ngram import NgramProposer
 from strata.engine.speculative.suffix import SuffixProposer
-from strata.speculative_config import SpeculativeConfig
 
 
 @dataclass

@@ -9,6 +9,7 @@ import logging
 import time
 
 from strata.config import EngineConfig, resolve_device
+from strata.config.speculative_config import SpeculativeConfig
 from strata.distributed import ParallelContext
 from strata.engine.kv_cache import KVCacheManager
 from strata.engine.request import Request
@@ -17,7 +18,6 @@ from strata.executor.kv_budget import kv_cache_blocks
 from strata.executor.model_runner import ModelRunner, RunnerOutput
 from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
 from strata.sampling_params import SamplingParams
-from strata.speculative_config import SpeculativeConfig
 from strata.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)

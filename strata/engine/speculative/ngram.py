@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from strata.config.speculative_config import SpeculativeConfig
 from strata.engine.request import Request
-from strata.speculative_config import SpeculativeConfig
 
 
 class TokenHistory:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from strata.config.speculative_config import SpeculativeConfig
 from strata.engine.request import Request
 from strata.engine.speculative.suffix_tree import SuffixTree
-from strata.speculative_config import SpeculativeConfig
 
 
 class SuffixProposer:

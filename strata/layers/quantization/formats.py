@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.quant_config import AWQ, FP8, GPTQ, INT8_W8A8, PACKED, LinearScheme
+from strata.config.quant_config import AWQ, FP8, GPTQ, INT8_W8A8, PACKED, LinearScheme
 
 # AWQ packs 8 nibbles into an int32 in this order of output columns.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

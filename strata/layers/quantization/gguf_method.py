@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from strata.config.quant_config import GGUFQuantConfig
 from strata.gguf import types
 from strata.gguf.weights import GGUFTensor
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
 from strata.layers.quantization import gguf_quants, kernel_choice
-from strata.quant_config import GGUFQuantConfig
 
 logger = logging.getLogger(__name__)
 

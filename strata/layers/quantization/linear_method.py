@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from strata.config.quant_config import FP8, INT8_W8A8, GGUFQuantConfig, LinearScheme, MXFP4QuantConfig, QuantConfig
 from strata.errors import ConfigError
 from strata.gguf import types as gguf_types
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -29,7 +30,6 @@ from strata.layers.quantization.weight_only import (
     pack_weight,
     weight_only_linear,
 )
-from strata.quant_config import FP8, INT8_W8A8, GGUFQuantConfig, LinearScheme, MXFP4QuantConfig, QuantConfig
 
 logger = logging.getLogger(__name__)
 

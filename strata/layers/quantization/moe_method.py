@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from strata.config.quant_config import AWQ, GPTQ, PACKED, LinearScheme
 from strata.errors import ConfigError
 from strata.layers.activation import silu_and_mul
 from strata.layers.moe import DOWN, GATE, FusedMoE
@@ -24,7 +25,6 @@ from strata.layers.quantization.weight_only import (
     pack_weight,
     weight_only_linear,
 )
-from strata.quant_config import AWQ, GPTQ, PACKED, LinearScheme
 
 WEIGHT_ONLY = (PACKED, GPTQ, AWQ)
 GATE_UP, DOWN_PROJ = "gate_up_proj", "down_proj"

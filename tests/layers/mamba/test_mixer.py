@@ -71,10 +71,10 @@ def _pack_int4(values: torch.Tensor) -> torch.Tensor:
     ([(32, 4), (16, 1), (16, 1), (16, 4)], 2),  # z, B and C replicated, dt: each rank's rows whole int32s
 ])
 def test_quantized_in_proj_holds_the_rows_of_its_weight_shard(pieces, tp):
+    from strata.config.quant_config import PACKED, LinearScheme
     from strata.layers.mamba.mixer import ShardedColumnLinear
     from strata.layers.quantization.linear_method import quantize_layer
     from strata.layers.quantization.weight_only import dequantize
-    from strata.quant_config import PACKED, LinearScheme
 
     gen = torch.Generator().manual_seed(1)
     n, k = sum(size for size, _ in pieces), 64

@@ -7,9 +7,9 @@ import torch
 from c_builds import forced_build
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from strata.config.quant_config import MXFP4QuantConfig, parse_quant_config, quant_tp_problem
 from strata.errors import ConfigError
 from strata.layers.quantization import cpu_matmul, mxfp4
-from strata.quant_config import MXFP4QuantConfig, parse_quant_config, quant_tp_problem
 
 EXTREME_EXPONENTS = (0, 1, 2, 64, 126, 127, 128, 200, 253, 254, 255)
 

@@ -2,10 +2,10 @@
 MLP and expert widths, Mamba heads and groups, the padded vocabulary, the vision tower, quantization groups)."""
 from __future__ import annotations
 
+from strata.config.hf_config import HFConfig
+from strata.config.quant_config import QuantConfig, quant_tp_problem
 from strata.distributed import pad_vocab
 from strata.errors import ConfigError
-from strata.hf_config import HFConfig
-from strata.quant_config import QuantConfig, quant_tp_problem
 
 
 def num_routed_experts(text: HFConfig) -> int:

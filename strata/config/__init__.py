@@ -11,19 +11,19 @@ from typing import Any
 
 import torch
 
-from strata import model_registry as registry
-from strata.engine_args import KERNELS, KV_CACHE_DTYPES, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
+from strata.config import model_registry as registry
+from strata.config.engine_args import KERNELS, KV_CACHE_DTYPES, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
+from strata.config.hf_config import HFConfig, read_config_json
+from strata.config.layout_rules import check_nodes, check_pp
+from strata.config.quant_config import GGUFQuantConfig, QuantConfig, parse_quant_config
+from strata.config.speculative_config import SpeculativeConfig, check_target, parse_speculative_config
+from strata.config.tp_rules import check_quant_tp, check_tp, check_vision_tp, num_routed_experts
 from strata.errors import ConfigError
 from strata.gguf.config import hf_config as gguf_hf_config
 from strata.gguf.reader import GGUFModel
 from strata.gguf.weights import blocked_types
-from strata.hf_config import HFConfig, read_config_json
-from strata.layout_rules import check_nodes, check_pp
 from strata.model_source import ModelSource, resolve_model
-from strata.quant_config import GGUFQuantConfig, QuantConfig, parse_quant_config
 from strata.reasoning import REASONING_PARSERS
-from strata.speculative_config import SpeculativeConfig, check_target, parse_speculative_config
-from strata.tp_rules import check_quant_tp, check_tp, check_vision_tp, num_routed_experts
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Which pipeline partitions and multi-node layouts work (tensor-parallel sizes: strata.tp_rules); each refusal
+"""Which pipeline partitions and multi-node layouts work (tensor-parallel sizes: strata.config.tp_rules); each refusal
 names the field, its value and what would work."""
 from __future__ import annotations
 
