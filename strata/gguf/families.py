@@ -4,11 +4,14 @@ strata.gguf.weights): each has a module of its own with `hf_config(gguf)`, `bloc
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Iterable
 from types import ModuleType
 
 from strata.errors import UnsupportedModelError
 from strata.gguf.reader import GGUFModel
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)$")
 
 # general.architecture -> the module that reads it
 MODULES = {"gpt-oss": "strata.gguf.gpt_oss", "mamba2": "strata.gguf.ssm", "plamo2": "strata.gguf.plamo2",
@@ -30,3 +33,15 @@ def refuse_unknown_keys(gguf: GGUFModel, known: Iterable[str]) -> None:
     if unknown:
         raise UnsupportedModelError(f"{gguf.paths[0]}: GGUF metadata strata does not read for architecture "
                                     f"{gguf.architecture!r}: {', '.join(unknown)}", param="model")
+
+
+def checkpoint_name(gguf_name: str, global_names: dict[str, str], layer_names: dict[str, str],
+                    layer_prefix: str) -> str | None:
+    """A GGUF tensor's checkpoint name by an architecture's tables: whole names first, then `blk.N.REST` as
+    `{layer_prefix}.N.{layer_names[REST]}`; None for a tensor the tables do not know."""
+    if gguf_name in global_names:
+        return global_names[gguf_name]
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match is None or match.group(2) not in layer_names:
+        return None
+    return f"{layer_prefix}.{match.group(1)}.{layer_names[match.group(2)]}"

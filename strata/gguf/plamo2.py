@@ -5,7 +5,6 @@ adds already added (+1, +1/5, +1, +1/5^1.5; +1): those are subtracted back. The 
 counts (0: a Mamba layer); the file has no sliding window, and llama.cpp attends fully, as strata then does."""
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 from strata.errors import ConfigError, UnsupportedModelError
 from strata.gguf import types
 from strata.gguf.config import _eos_ids, _required
-from strata.gguf.families import refuse_unknown_keys
+from strata.gguf.families import checkpoint_name, refuse_unknown_keys
 from strata.gguf.reader import GGUFModel
 from strata.gguf.ssm import _check_float, _float
 from strata.gguf.weights import GGUFTensor, _meta, _tensor, is_blocked
@@ -43,7 +42,6 @@ _LINEAR = ("ffn_up.weight", "ffn_down.weight", "ssm_in.weight", "ssm_x.weight", 
 # What Plamo2Model.modify_tensors adds to each norm weight, written as it writes them (float32 sums of these).
 NORM_OFFSETS = {"attn_norm.weight": 1.0, "post_attention_norm": 1.0 / 5, "ffn_norm.weight": 1.0,
                 "post_ffw_norm": 1.0 / (5 ** 1.5), "output_norm.weight": 1.0}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)$")
 
 
 def hf_config(gguf: GGUFModel) -> dict[str, Any]:
@@ -121,12 +119,7 @@ def _layer_pattern(gguf: GGUFModel, mamba: list[bool]) -> dict[str, Any]:
 
 def hf_name(gguf_name: str) -> str | None:
     """The checkpoint name of a GGUF tensor, or None for one strata does not know."""
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
-    match = _LAYER_TENSOR.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER:
-        return None
-    return f"model.layers.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
+    return checkpoint_name(gguf_name, _GLOBAL, _LAYER, "model.layers.layers")
 
 
 def _is_linear(name: str) -> bool:

@@ -4,7 +4,6 @@ transformers checkpoint they came from, and their tensors under its names. The c
 [groups, inner / groups]; in_proj, out_proj, the embedding and the head may be in any ggml type strata runs."""
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 from strata.errors import ConfigError, UnsupportedModelError
 from strata.gguf import types
 from strata.gguf.config import _eos_ids, _required
-from strata.gguf.families import refuse_unknown_keys
+from strata.gguf.families import checkpoint_name, refuse_unknown_keys
 from strata.gguf.reader import GGUFModel, TensorEntry
 from strata.gguf.weights import GGUFTensor, _meta, _tensor, is_blocked
 
@@ -32,7 +31,6 @@ _MAMBA2_LAYER = {"attn_norm.weight": "norm.weight", "ssm_in.weight": "mixer.in_p
                  "ssm_conv1d.bias": "mixer.conv1d.bias", "ssm_dt.bias": "mixer.dt_bias", "ssm_a": "mixer.A_log",
                  "ssm_d": "mixer.D", "ssm_norm.weight": "mixer.norm.weight"}
 _LINEAR = ("ssm_in.weight", "ssm_out.weight")
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)$")
 _FLOAT = (types.F32, types.F16, types.BF16)
 
 
@@ -62,12 +60,8 @@ def hf_config(gguf: GGUFModel) -> dict[str, Any]:
 
 
 def hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _MAMBA2_GLOBAL:
-        return _MAMBA2_GLOBAL[gguf_name]
-    match = _LAYER_TENSOR.match(gguf_name)
-    if match is None or match.group(2) not in _MAMBA2_LAYER:
-        return None
-    return f"backbone.layers.{match.group(1)}.{_MAMBA2_LAYER[match.group(2)]}"
+    """The checkpoint name of a GGUF tensor, or None for one strata does not know."""
+    return checkpoint_name(gguf_name, _MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers")
 
 
 def _is_linear(name: str) -> bool:
