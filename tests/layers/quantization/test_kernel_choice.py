@@ -15,6 +15,12 @@ from strata.layers.quantization import cpu_matmul, gguf_quants, kernel_choice, w
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C compiler")
 
 
+@pytest.fixture(autouse=True)
+def machine_found_quiet(monkeypatch):
+    """Each test starts as a new process does: an earlier test's load on a busy machine must not carry over."""
+    monkeypatch.setattr(kernel_choice, "_busy", False)
+
+
 @pytest.fixture
 def fresh_choice(tmp_path, monkeypatch):
     """An empty kernel cache, a small calibration weight, and each kind's crossover put back afterwards."""
