@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help='let chat requests use tool_choice "auto" (needs --tool-call-parser)')
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how tool calls are found in model output: llama3_json (Llama 3.1/3.2), "
-                            "llama4_pythonic (Llama 4), hermes (Qwen, Hermes), mistral, granite")
+                            "llama4_pythonic (Llama 4), hermes (Qwen, Hermes), mistral, granite, openai (gpt-oss)")
     EngineArgs.add_cli_args(serve)
 
     bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -39,7 +39,7 @@ ARCHITECTURES = {
 
 
 GEMMA_WINDOW = 8
-# Gemma's own checkpoints (tests/models/test_gemma.py), kept apart: the fused CPU decode path does not serve them.
+# Gemma's own checkpoints (tests/models/test_gemma.py), kept apart from the Llama-like shapes above.
 # Soft caps small enough to bend these weights' scores and logits; query_pre_attn_scalar unlike head_dim; Gemma 3
 # with two global layers among four and distinct rotary bases (linear scaling on the global ones).
 GEMMA = {

@@ -106,7 +106,7 @@ class EngineArgs:
     structured_outputs_max_whitespace: int = _option(
         2, "most whitespace characters between two tokens of constrained JSON (-1: any amount)")
     reasoning_parser: str | None = _option(
-        None, "the model's thinking format (qwen3, deepseek_r1): chat responses carry the thinking in "
+        None, "the model's thinking format (qwen3, deepseek_r1, openai_gptoss): chat responses carry the thinking in "
               "reasoning_content, and structured outputs constrain only the answer after it",
         choices=REASONING_PARSERS)
     speculative_config: dict[str, Any] | None = _option(
