@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable
 from types import ModuleType
 
-from strata.errors import UnsupportedModelError
+from strata.errors import ConfigError, UnsupportedModelError
 from strata.gguf.reader import GGUFModel
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)$")
@@ -45,3 +45,11 @@ def checkpoint_name(gguf_name: str, global_names: dict[str, str], layer_names: d
     if match is None or match.group(2) not in layer_names:
         return None
     return f"{layer_prefix}.{match.group(1)}.{layer_names[match.group(2)]}"
+
+
+def refuse_unknown_tensors(gguf: GGUFModel, unknown: Iterable[str]) -> None:
+    """A tensor the architecture's reader does not map would be dropped, and the model run without it: refused."""
+    unknown = sorted(unknown)
+    if unknown:
+        raise ConfigError(f"{gguf.paths[0]}: tensors strata does not know for GGUF architecture "
+                          f"{gguf.architecture!r}: {', '.join(unknown[:10])}", param="model")

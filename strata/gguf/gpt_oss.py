@@ -14,7 +14,7 @@ import torch
 from strata.errors import ConfigError, UnsupportedModelError
 from strata.gguf import types
 from strata.gguf.config import _eos_ids, _per_layer, _required
-from strata.gguf.families import refuse_unknown_keys
+from strata.gguf.families import refuse_unknown_keys, refuse_unknown_tensors
 from strata.gguf.reader import GGUFModel
 from strata.gguf.weights import GGUFTensor, _meta, _tensor, is_blocked
 
@@ -122,10 +122,7 @@ def hf_name(gguf_name: str) -> str | None:
 def blocked_types(gguf: GGUFModel) -> dict[str, int]:
     """{checkpoint name: ggml type} of the tensors kept in blocks: linear layers in any type strata runs, and the
     experts' MXFP4 blocks (`...experts.gate_up_proj_blocks` / `down_proj_blocks`)."""
-    unknown = [n for n in gguf.tensors if hf_name(n) is None and not _EXPERTS.match(n)]
-    if unknown:
-        raise ConfigError(f"{gguf.paths[0]}: tensors strata does not know for GGUF architecture 'gpt-oss': "
-                          f"{', '.join(sorted(unknown)[:10])}", param="model")
+    refuse_unknown_tensors(gguf, [n for n in gguf.tensors if hf_name(n) is None and not _EXPERTS.match(n)])
     found = {}
     for name, entry in gguf.tensors.items():
         match = _EXPERTS.match(name)

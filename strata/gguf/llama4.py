@@ -15,7 +15,7 @@ import torch
 from strata.errors import ConfigError, UnsupportedModelError
 from strata.gguf import types
 from strata.gguf.config import _eos_ids, _per_layer, _required, _rope_scaling
-from strata.gguf.families import refuse_unknown_keys
+from strata.gguf.families import refuse_unknown_keys, refuse_unknown_tensors
 from strata.gguf.reader import GGUFModel
 from strata.gguf.ssm import _float
 from strata.gguf.weights import GGUFTensor, _meta, _tensor, is_blocked
@@ -93,10 +93,8 @@ def hf_name(gguf_name: str) -> str | None:
 def blocked_types(gguf: GGUFModel) -> dict[str, int]:
     """{checkpoint name: ggml type} of the tensors kept in blocks: every matrix but the routed experts, which must
     be float (strata's MoE has no kernel for ggml blocks)."""
-    unknown = [n for n in gguf.tensors if hf_name(n) is None and not _EXPERTS.match(n) and n not in _CONSUMED]
-    if unknown:
-        raise ConfigError(f"{gguf.paths[0]}: tensors strata does not know for GGUF architecture 'llama4': "
-                          f"{', '.join(sorted(unknown)[:10])}", param="model")
+    refuse_unknown_tensors(gguf, [n for n in gguf.tensors
+                                  if hf_name(n) is None and not _EXPERTS.match(n) and n not in _CONSUMED])
     found = {}
     for name, entry in gguf.tensors.items():
         if _EXPERTS.match(name):

@@ -13,7 +13,7 @@ import torch
 from strata.errors import ConfigError, UnsupportedModelError
 from strata.gguf import types
 from strata.gguf.config import _eos_ids, _required
-from strata.gguf.families import checkpoint_name, refuse_unknown_keys
+from strata.gguf.families import checkpoint_name, refuse_unknown_keys, refuse_unknown_tensors
 from strata.gguf.reader import GGUFModel
 from strata.gguf.ssm import _check_float, _float
 from strata.gguf.weights import GGUFTensor, _meta, _tensor, is_blocked
@@ -129,10 +129,7 @@ def _is_linear(name: str) -> bool:
 def blocked_types(gguf: GGUFModel) -> dict[str, int]:
     """{checkpoint name: ggml type} of the linear layers kept in blocks (the fused qkv under the q/k/v names strata's
     PLaMo2 loads it by); norms, conv, A, D and dt bias load as float."""
-    unknown = [n for n in gguf.tensors if hf_name(n) is None]
-    if unknown:
-        raise ConfigError(f"{gguf.paths[0]}: tensors strata does not know for GGUF architecture 'plamo2': "
-                          f"{', '.join(sorted(unknown)[:10])}", param="model")
+    refuse_unknown_tensors(gguf, [n for n in gguf.tensors if hf_name(n) is None])
     found = {}
     for name, entry in gguf.tensors.items():
         if not _is_linear(name):

@@ -13,7 +13,7 @@ import torch
 from strata.errors import ConfigError
 from strata.gguf import types
 from strata.gguf.config import ArchitectureMap, architecture_map
-from strata.gguf.families import family
+from strata.gguf.families import family, refuse_unknown_tensors
 from strata.gguf.reader import GGUFModel, TensorEntry
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -72,10 +72,7 @@ def blocked_types(gguf: GGUFModel) -> dict[str, int]:
     found = {}
     arch = architecture_map(gguf)
     consumed = (*_CONSUMED, *arch.consumed_tensors)
-    unknown = [name for name in gguf.tensors if hf_name(name, arch) is None and name not in consumed]
-    if unknown:
-        raise ConfigError(f"{gguf.paths[0]}: tensors strata does not know for GGUF architecture "
-                          f"{gguf.architecture!r}: {', '.join(sorted(unknown)[:10])}", param="model")
+    refuse_unknown_tensors(gguf, [n for n in gguf.tensors if hf_name(n, arch) is None and n not in consumed])
     for name, entry in gguf.tensors.items():
         types.check_type(entry.ggml_type, name)
         if _EXPERTS.match(name):
