@@ -40,7 +40,7 @@ class LLM:
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.engine.input.tokenizer
 
     def generate(self, prompts: PromptInput | ProcessedPrompt | Sequence[PromptInput | ProcessedPrompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -93,8 +93,8 @@ class LLM:
         add_generation_prompt, template_kwargs = chat_template_keywords(
             chat_template_kwargs, add_generation_prompt, continue_final_message, tools=tools or None)
         # Image parts ({"type": "image_url", ...}) are loaded, tiled and expanded into placeholder ids.
-        prompts = [self.engine.render_chat(conversation, template, add_generation_prompt,
-                                           template_kwargs=template_kwargs, **self.media_options)
+        prompts = [self.engine.input.render_chat(conversation, template, add_generation_prompt,
+                                                 template_kwargs=template_kwargs, **self.media_options)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -199,7 +199,9 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # an incomplete character: wait for more bytes
         new_text = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        # Only ids from the new prefix on are decoded again: keep that window, not the whole output (its caller's).
+        del self.ids[:self.read_offset]
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
         search_from = max(len(self.text) - max((len(s) for s in self.stop), default=0) + 1, 0)
         self.text += new_text
         for stop in self.stop:

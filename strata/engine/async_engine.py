@@ -1,4 +1,6 @@
-"""AsyncEngine: one background thread steps the Engine; asyncio callers stream their outputs."""
+"""AsyncEngine: the engine's three parts across threads. Callers (the server's asyncio loop) process their input and
+register with the output side in their own thread; one thread only steps the core; another processes the core's
+outputs and delivers them to the callers' streams, and sends a stop string's finish back through the command queue."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +12,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from strata.config import EngineConfig
-from strata.engine.engine import Engine, PromptInput
+from strata.engine.core import EngineCore
+from strata.engine.input_processor import InputProcessor, PromptInput
+from strata.engine.output_processor import OutputProcessor
 from strata.engine.request import ProcessedPrompt
 from strata.errors import EngineDeadError, StrataError
 from strata.outputs import RequestOutput
@@ -23,40 +27,38 @@ _STATS_INTERVAL_S = 5.0
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.config: EngineConfig = engine.config
-        self.tokenizer = engine.tokenizer
-        self.reasoning = engine.reasoning  # the --reasoning-parser, bound to the tokenizer, or None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, input_processor: InputProcessor, core: EngineCore, output_processor: OutputProcessor) -> None:
+        self.input, self.core, self.output = input_processor, core, output_processor
+        self.config: EngineConfig = core.config
+        self.tokenizer = input_processor.tokenizer
+        self.reasoning = input_processor.reasoning  # the --reasoning-parser, bound to the tokenizer, or None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # to the core thread: add, abort, finish
+        self._core_outputs: queue.SimpleQueue = queue.SimpleQueue()  # to the output thread; None stops it
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the streams
+        # The output processor: its thread processes outputs, callers add and abort requests.
+        self._output_lock = threading.Lock()
         self.dead_error: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
-        self._thread.start()
+        self._core_thread = threading.Thread(target=self._core_loop, name="strata-engine", daemon=True)
+        self._output_thread = threading.Thread(target=self._output_loop, name="strata-output", daemon=True)
+        self._core_thread.start()
+        self._output_thread.start()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(Engine(config))
+        inputs = InputProcessor(config)
+        core = EngineCore(config, inputs.tokenizer, inputs.stop_token_ids, inputs.reasoning)
+        return cls(inputs, core, OutputProcessor(inputs.tokenizer))
 
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.snapshot()
-
-    def process_prompt(self, prompt: PromptInput | ProcessedPrompt, truncate_prompt_tokens: int | None = None,
-                       truncation_side: str = "left") -> ProcessedPrompt:
-        """Tokenize and validate in the caller, so a bad prompt fails before any streaming starts."""
-        return self.engine.process_prompt(prompt, truncate_prompt_tokens, truncation_side)
-
-    def render_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
-                    add_generation_prompt: bool = True, **kwargs: Any) -> ProcessedPrompt:
-        """A conversation as a validated prompt (see Engine.render_chat), rendered in the caller."""
-        return self.engine.render_chat(messages, chat_template, add_generation_prompt, **kwargs)
+        """Scheduler, KV cache and token counters, for the stats log line, /metrics and /get_load."""
+        return {**self.core.snapshot(), "generation_tokens": self.output.num_generation_tokens}
 
     async def prepare_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar (or find it cached) before the request is queued, so that an invalid or
@@ -64,7 +66,7 @@ class AsyncEngine:
         constraint = params.structured_outputs
         if constraint is None:
             return
-        future = self.engine.grammars.compiler.submit(constraint)
+        future = self.core.grammars.compiler.submit(constraint)
         timeout_s = self.config.structured.timeout_s
         await asyncio.get_running_loop().run_in_executor(None, result_of, future, constraint, timeout_s)
 
@@ -73,12 +75,13 @@ class AsyncEngine:
         """Yield cumulative outputs of one request until it finishes; leaving early aborts it."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}")
-        prompt = self.process_prompt(prompt)
+        request = self.input.make_request(request_id, prompt, params)
+        with self._output_lock:
+            self.output.add_request(request)  # before the core can make outputs for it; refuses a duplicate id
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(("add", request_id, prompt, params))
-        self._wake.set()
+        self._send(("add", request))
         finished = False
         try:
             while True:
@@ -105,7 +108,12 @@ class AsyncEngine:
         return len(request_ids)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        with self._output_lock:
+            ids = self.output.abort_request(request_id)
+        self._send(("abort", ids))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
         self._wake.set()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -118,52 +126,86 @@ class AsyncEngine:
     def _drain_commands(self) -> None:
         while True:
             try:
-                command = self._commands.get_nowait()
+                kind, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "abort":
-                self.engine.abort_request(command[1])
-                continue
-            _, request_id, prompt, params = command
-            try:
-                self.engine.add_request(request_id, prompt, params)
-            except StrataError as e:
-                self._deliver(request_id, e)
+            if kind == "abort":
+                self.core.abort_requests(arg)
+            elif kind == "finish":
+                self.core.finish_requests(arg)
+            else:
+                try:
+                    self.core.add_request(arg)
+                except StrataError as e:
+                    self._core_outputs.put(([], [(arg.request_id, e)]))
 
-    def _loop(self) -> None:
+    def _core_loop(self) -> None:
+        """The core thread: commands in, steps, CoreOutputs handed to the output thread; nothing else."""
         last_log = time.monotonic()
         try:
             while not self._stopping:
                 self._drain_commands()
-                if not self.engine.has_unfinished_requests():
-                    self.engine.check_health()  # a worker may die while the engine is idle
+                if not self.core.has_unfinished_requests():
+                    self.core.check_health()  # a worker may die while the engine is idle
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-                for request_id, error in self.engine.take_failures():
-                    self._deliver(request_id, error)
+                outputs = self.core.step()
+                failures = self.core.take_failures()
+                if outputs or failures:
+                    self._core_outputs.put((outputs, failures))
                 if time.monotonic() - last_log > _STATS_INTERVAL_S:
                     last_log = time.monotonic()
-                    s = self.stats()
-                    logger.info("running %d, waiting %d, KV usage %.1f%%, %d prompt and %d generated tokens",
-                                s["running"], s["waiting"], 100 * s["kv_usage"], s["prompt_tokens"],
-                                s["generation_tokens"])
-                    spec = self.engine.spec.interval_summary() if self.engine.spec is not None else None
-                    if spec is not None:
-                        logger.info("%s", spec)
+                    self._log_stats()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine, and every caller hears of it
-            logger.exception("engine loop failed")
+            self._die(e, "engine loop failed")
+
+    def _output_loop(self) -> None:
+        """The output thread: detokenize, find stop strings, deliver; stop-string finishes go back to the core."""
+        try:
+            while True:
+                item = self._core_outputs.get()
+                if item is None:
+                    return
+                outputs, failures = item
+                with self._output_lock:
+                    processed = self.output.process_outputs(outputs)
+                    for request_id, _ in failures:
+                        self.output.abort_request(request_id)
+                if processed.finished_ids:
+                    self._send(("finish", processed.finished_ids))
+                for out in processed.request_outputs:
+                    self._deliver(out.request_id, out)
+                for request_id, error in failures:
+                    self._deliver(request_id, error)
+        except BaseException as e:  # noqa: BLE001 - as in the core thread
+            self._die(e, "output processing failed")
+
+    def _log_stats(self) -> None:
+        s = self.stats()
+        logger.info("running %d, waiting %d, KV usage %.1f%%, %d prompt and %d generated tokens",
+                    s["running"], s["waiting"], 100 * s["kv_usage"], s["prompt_tokens"], s["generation_tokens"])
+        spec = self.core.spec.interval_summary() if self.core.spec is not None else None
+        if spec is not None:
+            logger.info("%s", spec)
+
+    def _die(self, e: BaseException, what: str) -> None:
+        logger.exception(what)
+        if self.dead_error is None:
             self.dead_error = e
-            error = EngineDeadError(f"the engine failed: {type(e).__name__}: {e}")
-            with self._lock:
-                request_ids = list(self._streams)
-            for request_id in request_ids:
-                self._deliver(request_id, error)
+        self._stopping = True  # the other thread stops too
+        self._wake.set()
+        self._core_outputs.put(None)
+        error = EngineDeadError(f"the engine failed: {type(e).__name__}: {e}")
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver(request_id, error)
 
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=10)
-        self.engine.shutdown()
+        self._core_thread.join(timeout=10)
+        self._core_outputs.put(None)
+        self._output_thread.join(timeout=10)
+        self.core.shutdown()

@@ -1,5 +1,6 @@
-"""A request on its way in (ProcessedPrompt), then as the scheduler sees it: its tokens, how many are computed,
-its blocks and its state slot."""
+"""What passes between the engine's three parts: a request on its way in (ProcessedPrompt, then CoreRequest), as
+the scheduler sees it (Request: its tokens, how many are computed, its blocks and its state slot), and what the core
+reports of it after a step (CoreOutput)."""
 from __future__ import annotations
 
 import enum
@@ -7,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from strata.outputs import PromptLogprobsChunk, TokenLogprobs
 from strata.sampling_params import SamplingParams
 
 
@@ -20,6 +22,23 @@ class ProcessedPrompt:
     mm_inputs: Any = None  # model-specific multimodal inputs (e.g. image tiles), or None
     # The keywords a chat prompt's template was rendered with (a reasoning parser reads enable_thinking), or None.
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CoreRequest:
+    """One user request as input processing hands it to the core and to output processing: n > 1 is fanned out here
+    into one sample per scheduler request, each with its own id and parameters (its own seed)."""
+
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams  # the user's, with the model's stop token ids
+    samples: tuple[tuple[str, SamplingParams], ...]  # (scheduler request id, its parameters) per sample
+    arrival_time: float
+    thinking: bool = False  # the outputs start with thinking, which a grammar leaves free
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [sample_id for sample_id, _ in self.samples]
 
 
 class RequestStatus(enum.Enum):
@@ -55,8 +74,7 @@ class Request:
         self.known_to_workers = False
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission
-        self.stop_reason: int | str | None = None
-        self.first_token_time: float | None = None
+        self.stop_reason: int | None = None  # the stop token id that ended it, if one did
         self.scheduled_time: float | None = None  # first admission to the running batch
 
     @property
@@ -85,3 +103,25 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+
+@dataclass(frozen=True)
+class CoreOutput:
+    """What one step did to one scheduler request: its new tokens (none after the one that ended it), their raw
+    logprobs, a chunk of prompt logprobs, and whether and why the core finished it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: PromptLogprobsChunk | None = None
+    finish_status: RequestStatus | None = None
+    stop_reason: int | None = None  # the stop token id that ended it (None for EOS, length or a finished grammar)
+    # The last new token is the EOS or stop token that ended the request (its text is left out of the output unless
+    # include_stop_str_in_output); False for length and for a finished grammar.
+    stopped_on_token: bool = False
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    queue_time: float | None = None  # seconds from arrival to first scheduled
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_status is not None

@@ -1,20 +1,53 @@
 """One token budget per step: running requests first (decodes or the rest of their prefill), then new
 prefill chunks; recompute preemption when KV blocks run out. With speculative decoding a decode carries draft
-tokens: extra tokens of the step with KV slots, of which only the verified ones count as computed."""
+tokens: extra tokens of the step with KV slots, of which only the verified ones count as computed. After a step
+the scheduler appends the sampled tokens and decides EOS, stop tokens and length itself (check_stop)."""
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import NamedTuple
 
 from strata.config import SchedulerConfig
 from strata.engine.kv_cache import KVCacheManager
-from strata.engine.request import Request, RequestStatus
+from strata.engine.request import CoreOutput, Request, RequestStatus
 from strata.engine.speculative.decoder import SpeculativeDecoder
 from strata.engine.state_cache import SlotPool
+from strata.executor.model_runner import RunnerOutput
 from strata.executor.step import NewRequestData, ScheduledRequest, SchedulerOutput
+from strata.outputs import PromptLogprobsChunk, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+class _Stop(NamedTuple):
+    status: RequestStatus
+    stop_token: int | None = None
+    on_token: bool = False  # the last token is the EOS or stop token that ended the request
+
+
+def check_stop(request: Request) -> tuple[RequestStatus, int | None] | None:
+    """Whether the request's last token ends it, and the stop token id that did: EOS and stop_token_ids (once
+    min_tokens are out) before length. Stop strings are the output side's (they need the text)."""
+    token, params = request.token_ids[-1], request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in params.all_stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= request.max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
+
+
+def _core_output(request: Request, new: list[int], logprobs: list[TokenLogprobs] | None,
+                 chunk: PromptLogprobsChunk | None, stop: _Stop | None) -> CoreOutput:
+    queue_time = None if request.scheduled_time is None else request.scheduled_time - request.arrival_time
+    return CoreOutput(request.request_id, new, logprobs[:len(new)] if logprobs and new else None, chunk,
+                      None if stop is None else stop.status, None if stop is None else stop.stop_token,
+                      stop is not None and stop.on_token, max(request.num_cached_tokens, 0), queue_time)
 
 
 class Scheduler:
@@ -138,29 +171,53 @@ class Scheduler:
             self.slots.release(request.state_slot)
             request.state_slot = -1
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
-        """Apply one step's results; returns the requests that got new tokens and how many (the engine decides
-        whether a token stops a request, and calls `finish`, before the next step is scheduled). Of a request's
-        draft tokens, those its new tokens confirm count as computed; the rest are forgotten (their KV slots are
-        written again later, and the prefix cache only ever hashes blocks of verified tokens)."""
-        changed = []
+    def update(self, out: SchedulerOutput, result: RunnerOutput,
+               grammar_ends: Callable[[Request, int], bool] | None = None) -> list[CoreOutput]:
+        """Apply one step's results: append each request's new tokens up to the first that ends it (EOS, a stop
+        token, its length, or `grammar_ends`, which feeds a token to the request's grammar and says whether that
+        completes it), finish and free the ended requests at once, and report what changed. Of a request's draft
+        tokens, those its new tokens confirm count as computed; the rest are forgotten (their KV slots are written
+        again later, and the prefix cache only ever hashes blocks of verified tokens)."""
+        outputs = []
         for s in out.requests:
             request = self.requests.get(s.request_id)
-            if request is None or request.finished:
-                continue
+            if request is None:
+                continue  # finished or aborted while in flight
             request.in_flight = False
-            if request.status is not RequestStatus.RUNNING or request.num_computed_tokens != s.num_computed_tokens:
-                continue  # preempted while in flight: it will be recomputed
-            tokens = sampled.get(s.request_id) if s.sample else None
-            accepted = len(tokens) - 1 if tokens and s.num_draft_tokens else 0
-            request.num_computed_tokens += len(s.token_ids) - s.num_draft_tokens + accepted
-            if s.num_draft_tokens and self.spec is not None:
-                self.spec.record(s.num_draft_tokens, accepted)
-            if tokens:
-                request.token_ids.extend(tokens)
-                changed.append((request, len(tokens)))
-            self.kv.cache_full_blocks(request)
-        return changed
+            new, stop = [], None
+            # A request preempted while in flight is recomputed: this step's tokens are not its own any more.
+            if request.status is RequestStatus.RUNNING and request.num_computed_tokens == s.num_computed_tokens:
+                tokens = result.sampled.get(s.request_id) if s.sample else None
+                new, stop = self._advance(request, s, tokens or [], grammar_ends)
+            chunk = result.prompt_logprobs.get(s.request_id)
+            if new or chunk is not None:
+                outputs.append(_core_output(request, new, result.logprobs.get(s.request_id), chunk, stop))
+            if stop is not None:
+                request.stop_reason = stop.stop_token
+                self.finish(request, stop.status)
+        return outputs
+
+    def _advance(self, request: Request, s: ScheduledRequest, tokens: list[int],
+                 grammar_ends: Callable[[Request, int], bool] | None) -> tuple[list[int], _Stop | None]:
+        """Count a step's computed tokens and append its sampled ones up to the first that ends the request; returns
+        the tokens appended and why the request ended, if it did."""
+        accepted = len(tokens) - 1 if tokens and s.num_draft_tokens else 0
+        request.num_computed_tokens += len(s.token_ids) - s.num_draft_tokens + accepted
+        if s.num_draft_tokens and self.spec is not None:
+            self.spec.record(s.num_draft_tokens, accepted)
+        stop = None
+        for i, token in enumerate(tokens):
+            request.token_ids.append(token)
+            by_token = check_stop(request)
+            if by_token is not None:
+                stop = _Stop(*by_token, on_token=by_token[0] is RequestStatus.FINISHED_STOPPED)
+            elif grammar_ends is not None and grammar_ends(request, token):
+                stop = _Stop(RequestStatus.FINISHED_STOPPED)
+            if stop is not None:  # accepted draft tokens after it are not part of the output
+                tokens = tokens[:i + 1]
+                break
+        self.kv.cache_full_blocks(request)
+        return tokens, stop
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         if request.finished:

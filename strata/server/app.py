@@ -146,7 +146,7 @@ def served_limits(engine: AsyncEngine, auto_tool_choice: bool) -> ServedLimits:
     return ServedLimits(
         model_names=tuple(config.served_model_names), vocab_size=config.model.vocab_size,
         max_model_len=config.model.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
-        image_input=getattr(engine.engine, "mm_processor", None) is not None,
+        image_input=engine.input.accepts_images,
         empty_text_has_tokens=bool(engine.tokenizer("").input_ids), auto_tool_choice=auto_tool_choice,
         roles=rendered_roles(lambda messages: apply_chat_template(engine.tokenizer, messages, config.chat_template)))
 

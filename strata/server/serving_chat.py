@@ -82,9 +82,9 @@ class ChatServing(Serving):
                                "served chat template renders)", param="messages")
         add_generation_prompt, kwargs = chat_template_keywords(template_kwargs, add_generation_prompt,
                                                                continue_final_message, **fields)
-        return self.engine.render_chat(template_messages([m.model_dump(exclude_none=True) for m in messages]),
-                                       chat_template or self.chat_template, add_generation_prompt,
-                                       template_kwargs=kwargs, validate=validate, **self.media_options)
+        return self.engine.input.render_chat(template_messages([m.model_dump(exclude_none=True) for m in messages]),
+                                             chat_template or self.chat_template, add_generation_prompt,
+                                             template_kwargs=kwargs, validate=validate, **self.media_options)
 
     async def create(self, req: ChatCompletionRequest, disconnected: Disconnected | None = None
                      ) -> ChatCompletionResponse | AsyncIterator[str] | None:

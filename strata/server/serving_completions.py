@@ -75,7 +75,7 @@ class CompletionServing(Serving):
             prompt_logprobs = max(prompt_logprobs if prompt_logprobs is not None else 0, req.logprobs)
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                       prompt_logprobs=prompt_logprobs)
-        prompts = [self.engine.process_prompt(p, req.truncate_prompt_tokens, req.truncation_side or "left")
+        prompts = [self.engine.input.process_prompt(p, req.truncate_prompt_tokens, req.truncation_side or "left")
                    for p in _split_prompts(req.prompt)]
         return _Job(random_id("cmpl"), model, prompts, params, req, prompt_only)
 

@@ -63,7 +63,7 @@ class _CountingTokenizer:
 
 def test_a_prompt_is_tokenized_once_and_reaches_the_scheduler_unchanged(llama_gqa):
     engine = LLM(str(llama_gqa)).engine
-    engine.tokenizer = counting = _CountingTokenizer(engine.tokenizer)
+    engine.input.tokenizer = counting = _CountingTokenizer(engine.input.tokenizer)
     prompt = engine.process_prompt("tokenized only here")
     assert counting.calls == 1 and prompt.text == "tokenized only here"
     engine.add_request("once", prompt, SamplingParams(max_tokens=2))

@@ -138,8 +138,8 @@ def test_rounds_of_requests_with_aborts_leave_every_slot_and_block_free(model):
             engine.abort_request(request_id)
         results = {}
         while engine.has_unfinished_requests():
-            if rng.random() < 0.2 and engine.groups:  # abort something mid-flight too
-                victim = rng.choice(sorted(engine.groups))
+            if rng.random() < 0.2 and engine.output.groups:  # abort something mid-flight too
+                victim = rng.choice(sorted(engine.output.groups))
                 engine.abort_request(victim)
                 aborted.add(victim)
             for out in engine.step():

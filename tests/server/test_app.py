@@ -35,7 +35,7 @@ def _break(engine: AsyncEngine) -> None:
     def boom():
         raise RuntimeError("boom: a worker fell over")
 
-    engine.engine.step = boom
+    engine.core.step = boom
 
 
 async def _post(app, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
