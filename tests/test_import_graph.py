@@ -22,8 +22,9 @@ LEVELS: list[tuple[str, list[str]]] = [
     ("layers", ["strata.layers"]),
     ("kernels", ["strata.kernels"]),
     ("leaf modules", ["strata.distributed", "strata.config", "strata.sampling_params", "strata.errors",
-                      "strata.outputs", "strata.tokenizer", "strata.host_memory", "strata.native", "strata.demo",
-                      "strata.model_source", "strata.hub", "strata.reasoning", "strata.gguf", "strata.harmony"]),
+                      "strata.outputs", "strata.tokenizer", "strata.plamo2_tokenizer", "strata.host_memory",
+                      "strata.demo", "strata.model_source", "strata.hub", "strata.reasoning", "strata.gguf",
+                      "strata.harmony"]),
 ]
 
 

@@ -22,14 +22,15 @@ def add_kernels_args(parser: argparse.ArgumentParser) -> None:
 def recalibrate() -> None:
     """Forgets the cached choices, then measures every GGUF type's fixed-point crossover and every kind's GEMM
     engine (the crossovers of layer shapes need a model's weights)."""
-    from strata.layers.quantization import cpu_matmul, gguf_quants, kernel_choice
+    from strata.kernels.cpu import abi, crossovers
+    from strata.layers.quantization import gguf_quants
 
-    dense = (cpu_matmul.KIND_BF16, cpu_matmul.KIND_INT4, cpu_matmul.KIND_INT8, cpu_matmul.KIND_FP8)
-    kernel_choice.forget()
+    dense = (abi.KIND_BF16, abi.KIND_INT4, abi.KIND_INT8, abi.KIND_FP8)
+    crossovers.forget()
     for qtype in sorted(gguf_quants.TYPES):
-        kernel_choice.fixed_point_rows(qtype)
+        crossovers.fixed_point_rows(qtype)
     for kind in (*dense, *(gguf_quants.kernel_kind(q) for q in sorted(gguf_quants.TYPES))):
-        kernel_choice.gemm_engine(kind)
+        crossovers.gemm_engine(kind)
 
 
 def load_model(model: str) -> None:
@@ -43,16 +44,17 @@ def load_model(model: str) -> None:
 
 def cached_choices() -> dict[str, int]:
     """This build's cached choices, as the file holds them (empty when none are cached)."""
-    from strata.layers.quantization import kernel_choice
+    from strata.kernels.cpu import crossovers
 
     try:
-        return json.loads(kernel_choice.cache_file().read_text())
+        return json.loads(crossovers.cache_file().read_text())
     except (OSError, ValueError):
         return {}
 
 
 def run_kernels(args: argparse.Namespace) -> int:
-    from strata.layers.quantization import cpu_matmul, kernel_choice
+    from strata.kernels.cpu import crossovers
+    from strata.kernels.cpu import matmul as cpu_matmul
 
     if not cpu_matmul.available():
         print("this build has no CPU kernels (no C compiler): there is nothing to choose or measure")
@@ -62,10 +64,10 @@ def run_kernels(args: argparse.Namespace) -> int:
     if args.model is not None:
         load_model(args.model)
     choices = cached_choices()
-    print(f"kernel choices cached for this build and CPU: {kernel_choice.cache_file()}")
+    print(f"kernel choices cached for this build and CPU: {crossovers.cache_file()}")
     if not choices:
         print("  none yet (they are measured on a model's first load)")
-    engines = kernel_choice.GEMM_ENGINES
+    engines = crossovers.GEMM_ENGINES
     for key, value in sorted(choices.items()):
         if key.startswith("gemm "):
             meaning = f"{engines[value] if value in (0, 1) else value} GEMM for large batches"
@@ -74,7 +76,7 @@ def run_kernels(args: argparse.Namespace) -> int:
         else:
             meaning = f"fixed-point kernels up to {value} rows, then float"
         print(f"  {key}: {meaning}")
-    if args.recalibrate and kernel_choice.machine_was_busy():
+    if args.recalibrate and crossovers.machine_was_busy():
         print("the machine was busy (timings did not repeat): choices not listed keep their defaults; run again when "
               "it is idle")
     return 0

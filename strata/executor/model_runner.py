@@ -17,9 +17,9 @@ from strata.distributed import IntermediateTensors, ParallelContext
 from strata.executor.step import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from strata.executor.step_inputs import is_decode_rows, prepare_step
 from strata.host_memory import keep_freed_host_memory
-from strata.layers import cpu_attention
+from strata.kernels.cpu import attention as cpu_attention
+from strata.kernels.cpu.attention import BlockZeroer
 from strata.layers.attention import Attention
-from strata.layers.cpu_attention import BlockZeroer
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import pack_linear_weights
 from strata.layers.mamba.mixer import MambaState, allocate_states, state_bytes_per_slot

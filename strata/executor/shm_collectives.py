@@ -2,12 +2,11 @@
 
 gloo moves even a 2 KB all-reduce through loopback TCP in about a millisecond here (a Llama step does two
 per layer), and a stage hand-off in several; a shared segment does either in microseconds plus the copy.
-Built on `strata/csrc/shm_collectives.c`.
+Built on `strata/kernels/cpu/csrc/shm_collectives.c` (bindings: strata/kernels/cpu/collectives.py).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 import tempfile
@@ -17,26 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strata import native
+from strata.kernels.cpu import collectives
+from strata.kernels.cpu.abi import SHM_HEADER_BYTES as _HEADER_BYTES
 
 logger = logging.getLogger(__name__)
 
-_HEADER_BYTES = 4096  # as in the C source
 _SLOT_BYTES = 1 << 20  # per rank and buffer; larger tensors go through in several rounds
 _CHANNEL_SLOT_BYTES, _CHANNEL_DEPTH = 4 << 20, 4
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = native.load("shm_collectives")
-    if lib is not None:
-        p, i32, i64, f64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
-        lib.shm_all_reduce_f32.argtypes = lib.shm_all_reduce_bf16.argtypes = [p, i32, i32, i64, p, p, i64, f64]
-        lib.shm_all_gather.argtypes = [p, i32, i32, i64, p, p, i64, p, f64]
-        lib.shm_send.argtypes = lib.shm_recv.argtypes = [p, i64, i64, p, p, i64, f64]
-        for fn in (lib.shm_all_reduce_f32, lib.shm_all_reduce_bf16, lib.shm_all_gather, lib.shm_send, lib.shm_recv):
-            fn.restype = ctypes.c_int
-    return lib
 
 
 def _new_segment_path() -> str:
@@ -86,7 +72,7 @@ class SharedMemoryGroup:
         """Collective over `group`: rank 0 makes the segment, everyone maps it, then its name is removed
         (the mappings keep it alive and nothing is left behind). None when the library cannot be built or
         shared memory has no room."""
-        lib = _library()
+        lib = collectives.library()
         if lib is None or size > _HEADER_BYTES // 64:  # every rank decides alike; one 64-byte flag per rank
             return None
         nbytes = _HEADER_BYTES + 2 * size * _SLOT_BYTES
@@ -144,7 +130,7 @@ class SharedMemoryChannel:
                   timeout_s: float) -> tuple[SharedMemoryChannel | None, SharedMemoryChannel | None]:
         """This rank's (sending, receiving) channels, set up through `store` with the peers doing the same;
         each segment's name is removed once both ends have mapped it."""
-        lib, nbytes = _library(), _HEADER_BYTES + _CHANNEL_DEPTH * _CHANNEL_SLOT_BYTES
+        lib, nbytes = collectives.library(), _HEADER_BYTES + _CHANNEL_DEPTH * _CHANNEL_SLOT_BYTES
         if lib is None:
             return None, None
         sending = receiving = None

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.errors import UnsupportedModelError
+from strata.kernels.cpu import attention as cpu_attention
 from strata.kernels.triton import attention as triton_attention
-from strata.layers import cpu_attention
 
 # Prefill chunks of windowed or chunked-attention layers are attended in query blocks of at least this
 # many tokens (or the window / attention chunk, if longer), each over the keys it can see.

@@ -1,6 +1,6 @@
 """A decode step's attention block and SwiGLU block of a pre-norm decoder layer on CPU, each as one C call
-(strata/csrc/decode_layer.c), which runs the same kernels the modules would call one by one: at a few tokens a
-layer's dozen Python-level calls cost more than its arithmetic (about 0.35 ms a layer on a 2-core CPU).
+(strata/kernels/cpu/csrc/decode_layer.c), which runs the same kernels the modules would call one by one: at a few
+tokens a layer's dozen Python-level calls cost more than its arithmetic (about 0.35 ms a layer on a 2-core CPU).
 
 A model's layer says what it is made of (`DecoderBlocks`: norms, projections with their biases, q/k norms, rotary
 with its rotated dimensions, the attention with its window, soft cap and sinks, output scales or norms, the MLP's
@@ -13,25 +13,22 @@ MLP (routed experts) runs as modules after the attention block's call; anything 
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from strata import native
-from strata.layers import activation, cpu_attention, norm, onednn_weights, rotary
+from strata.kernels.cpu import cpu_kernels_apply, crossovers, decode_layer
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.kernels.cpu.abi import AttentionBlock, Linear, MlpBlock
 from strata.layers.attention import Attention, AttentionMetadata
-from strata.layers.linear import SMALL_BATCH_DENSE, PackableLinear, small_batch_rows
+from strata.layers.linear import PackableLinear, small_batch_rows
 from strata.layers.norm import GemmaRMSNorm, RMSNorm
-from strata.layers.quantization import cpu_matmul, gguf_quants
-from strata.layers.quantization import weight_only as weight_only_module
+from strata.layers.quantization import gguf_quants
 from strata.layers.quantization.gguf_method import GGUFMethod
 from strata.layers.rotary import RotaryEmbedding
-from strata.native import PTR
 
-I64, F32 = ctypes.c_int64, ctypes.c_float
 # KV caches the C attention reads from float32 rows: float32, or bfloat16 (--kv-cache-dtype), written rounded.
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -60,80 +57,13 @@ class DecoderBlocks:
     gelu: bool = False
 
 
-class _Kernels(ctypes.Structure):
-    _fields_ = [(name, PTR) for name in ("weight_only", "blocked", "rms_norm", "rope", "silu", "attention",
-                                         "norm_heads", "rows", "gelu", "gemm")]
-
-
-class _Linear(ctypes.Structure):
-    pass
-
-
-_Linear._fields_ = [("blocked", I64), ("n", I64), ("k", I64), ("weight", PTR), ("bias", PTR), ("bf16", I64),
-                    ("block", I64), ("k_pad", I64), ("row_bytes", I64), ("kind", I64), ("groups", I64),
-                    ("group_size", I64), ("scales", PTR), ("zeros", PTR), ("n_pieces", I64),
-                    ("pieces", ctypes.POINTER(_Linear)), ("gemm_rows", I64)]
-
-
-class _AttentionBlock(ctypes.Structure):
-    _fields_ = [("norm_weight", PTR), ("eps", F32), ("hidden", I64), ("num_heads", I64), ("num_kv_heads", I64),
-                ("head_dim", I64), ("block_size", I64), ("scale", F32), ("qkv", _Linear), ("o", _Linear),
-                ("k_cache", PTR), ("v_cache", PTR), ("q_norm", PTR), ("k_norm", PTR), ("qk_eps", F32),
-                ("rotary_dim", I64), ("ranges", I64), ("out_scale", F32), ("softcap", F32), ("sinks", PTR),
-                ("out_norm", PTR), ("out_eps", F32), ("rope", I64), ("kv_bf16", I64)]
-
-
-class _MlpBlock(ctypes.Structure):
-    _fields_ = [("norm_weight", PTR), ("eps", F32), ("hidden", I64), ("intermediate", I64), ("gate_up", _Linear),
-                ("down", _Linear), ("out_scale", F32), ("gelu", I64), ("out_norm", PTR), ("out_eps", F32)]
-
-
-class _KeyRanges(ctypes.Structure):
-    _fields_ = [("max_blocks", I64), ("block_tables", PTR), ("first_keys", PTR), ("seq_lens", PTR)]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("tokens", I64), ("cos", PTR), ("sin", PTR), ("ranges", ctypes.POINTER(_KeyRanges)),
-                ("slots", PTR), ("threads", I64)]
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    blocks = [ctypes.POINTER(_Kernels), PTR, ctypes.POINTER(_Step), PTR, PTR]
-    return native.bind("decode_layer", {
-        "attention_block": (blocks + [ctypes.c_int, PTR, PTR], ctypes.c_int),
-        "mlp_block": (blocks + [PTR, PTR], ctypes.c_int),
-        "decode_layers": ([ctypes.POINTER(_Kernels), PTR, PTR, I64, ctypes.POINTER(_Step), PTR, PTR, ctypes.c_int,
-                           PTR, PTR, PTR, PTR, F32], ctypes.c_int),
-        "decode_forward": ([ctypes.POINTER(_Kernels), PTR, PTR, I64, ctypes.POINTER(_Step), PTR, PTR, PTR, PTR, PTR,
-                            PTR], ctypes.c_int)})
-
-
-@functools.cache
-def _kernels() -> _Kernels | None:
-    """The other libraries' entry points, or None when one of them cannot be built here."""
-    sources = {"weight_only": (cpu_matmul._library, "weight_only_matmul"),
-               "blocked": (onednn_weights._library, "blocked_matmul"), "rms_norm": (norm._library, "rms_norm"),
-               "rope": (rotary._library, "rope_half_split"), "silu": (activation._library, "silu_and_mul"),
-               "attention": (cpu_attention._library, "scored_decode_attention"),
-               "norm_heads": (norm._library, "rms_norm_heads"), "rows": (cpu_matmul._library, "weight_rows"),
-               "gelu": (activation._library, "gelu_tanh_and_mul"), "gemm": (cpu_matmul._gemm_library, "weight_gemm")}
-    addresses = {}
-    for field, (library, name) in sources.items():
-        lib = library()
-        if lib is None:
-            return None
-        addresses[field] = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-    return _Kernels(**addresses)
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _blocks_linear(method: GGUFMethod, bias: torch.Tensor | None, keep: list) -> _Linear:
+def _blocks_linear(method: GGUFMethod, bias: torch.Tensor | None, keep: list) -> Linear:
     """A layer kept in ggml blocks: one weight, or pieces of several types whose outputs lie side by side."""
-    pieces = [_Linear(n=w.rows, k=method.k, weight=w.data.data_ptr(), row_bytes=w.data.stride(0),
+    pieces = [Linear(n=w.rows, k=method.k, weight=w.data.data_ptr(), row_bytes=w.data.stride(0),
                       kind=gguf_quants.kernel_kind(w.ggml_type),
                       gemm_rows=_gemm_rows(method.small_rows[w.ggml_type]))
               for w in method._ready()]
@@ -141,19 +71,19 @@ def _blocks_linear(method: GGUFMethod, bias: torch.Tensor | None, keep: list) ->
     if len(pieces) == 1:
         pieces[0].bias = _ptr(bias)
         return pieces[0]
-    array = (_Linear * len(pieces))(*pieces)
+    array = (Linear * len(pieces))(*pieces)
     keep.append(array)
-    return _Linear(n=method.n, k=method.k, bias=_ptr(bias), n_pieces=len(pieces),
-                   pieces=ctypes.cast(array, ctypes.POINTER(_Linear)))
+    return Linear(n=method.n, k=method.k, bias=_ptr(bias), n_pieces=len(pieces),
+                   pieces=ctypes.cast(array, ctypes.POINTER(Linear)))
 
 
 def _gemm_rows(small_rows: int) -> int:
     """The rows from which a narrow weight's products in the C step take the GEMM (0: never, at the rows a step
-    serves), past the crossover kernel_choice measured."""
-    return small_rows + 1 if small_rows < weight_only_module.SMALL_BATCH else 0
+    serves), past the crossover strata.kernels.cpu.crossovers measured."""
+    return small_rows + 1 if small_rows < crossovers.SMALL_BATCH_WEIGHT_ONLY else 0
 
 
-def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list) -> tuple[_Linear, int] | None:
+def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list) -> tuple[Linear, int] | None:
     """The kernel's view of a linear layer and the most rows it serves (as `linear` and `weight_only_linear`
     choose kernels), or None when its weights need another path (activation-ordered or activation-quantized
     schemes, weights no small-batch kernel reads). Tensors the description points into are appended to `keep`."""
@@ -165,30 +95,30 @@ def describe_linear(layer: PackableLinear, bias: torch.Tensor | None, keep: list
     if isinstance(layer.quant, GGUFMethod):
         if layer.quant.weights is None:
             return None
-        return _blocks_linear(layer.quant, bias, keep), gguf_quants.SMALL_BATCH
+        return _blocks_linear(layer.quant, bias, keep), crossovers.SMALL_BATCH_GGUF
     if layer.quant is not None:
         method, w = layer.quant, getattr(layer.quant, "weight", None)
         if w is None or method.perm is not None or method.scheme.dynamic_activations:
             return None  # not finished yet, activation order (a gather per call), activations quantized per call
         keep.extend(t for t in (w.packed, w.scales, w.zeros) if t is not None)
-        return _Linear(blocked=0, n=w.out_features, k=w.in_features, weight=w.packed.data_ptr(), bias=_ptr(bias),
+        return Linear(blocked=0, n=w.out_features, k=w.in_features, weight=w.packed.data_ptr(), bias=_ptr(bias),
                        row_bytes=w.packed.stride(0), kind=w.kernel_kind, groups=w.scales.shape[1],
                        group_size=w.effective_group_size, scales=w.scales.data_ptr(), zeros=_ptr(w.zeros),
-                       gemm_rows=_gemm_rows(method.small_rows)), weight_only_module.SMALL_BATCH
+                       gemm_rows=_gemm_rows(method.small_rows)), crossovers.SMALL_BATCH_WEIGHT_ONLY
     weight = layer.weight
     if weight.is_mkldnn:
         layout = getattr(weight, "blocked_layout", None)
         if layout is None:
             return None
         keep.append(weight)
-        return _Linear(blocked=1, n=weight.out_features, k=weight.shape[1], weight=weight.buffer_address,
+        return Linear(blocked=1, n=weight.out_features, k=weight.shape[1], weight=weight.buffer_address,
                        bias=_ptr(bias), bf16=int(weight.dtype == torch.bfloat16), block=layout.block,
-                       k_pad=layout.k_pad), SMALL_BATCH_DENSE
+                       k_pad=layout.k_pad), crossovers.SMALL_BATCH_DENSE
     kind = cpu_matmul.dense_kind(weight)
     if kind is None:
         return None
     keep.append(weight)
-    return _Linear(blocked=0, n=weight.shape[0], k=weight.shape[1], weight=weight.data_ptr(), bias=_ptr(bias),
+    return Linear(blocked=0, n=weight.shape[0], k=weight.shape[1], weight=weight.data_ptr(), bias=_ptr(bias),
                    row_bytes=weight.stride(0) * weight.element_size(), kind=kind), small_batch_rows(weight)
 
 
@@ -196,7 +126,7 @@ def is_decode_step(meta: object, rows: int) -> bool:
     """A step of `rows` decodes and no prefill, on the plain-torch attention path."""
     return isinstance(meta, AttentionMetadata) and meta.kernels == "torch" and not meta.prefills \
         and meta.num_decodes == rows and meta.slot_mapping.dtype == torch.int64 \
-        and meta.slot_mapping.device.type == "cpu"
+        and cpu_kernels_apply(meta.slot_mapping)
 
 
 def norm_kernel_weight(n: RMSNorm) -> torch.Tensor:
@@ -224,7 +154,7 @@ class Plan:
     """A layer's two blocks, described once (after loading and packing: the weights no longer move); `mlp` None
     when its feed-forward block runs as modules."""
 
-    def __init__(self, attention: _AttentionBlock, mlp: _MlpBlock | None, max_rows: int, attn: Attention,
+    def __init__(self, attention: AttentionBlock, mlp: MlpBlock | None, max_rows: int, attn: Attention,
                  keep: list) -> None:
         self.attention, self.mlp, self.max_rows, self.keep = attention, mlp, max_rows, keep
         self.attn, self.k_cache = attn, attn.k_cache
@@ -246,7 +176,8 @@ def describe(b: DecoderBlocks, ranges: int, rope: int = 0) -> Plan | None:
     """The layer's blocks as the C calls read them (`ranges`, `rope`: the indices of its attention's key ranges and
     of its rotary's tables in the step), or None when one of its parts needs the modules' path."""
     attn, out_norms = b.attn, (b.attention_out_norm, b.mlp_out_norm)
-    if _library() is None or _kernels() is None or b.rotary.interleaved or attn.k_cache.dtype not in _CACHE_DTYPES \
+    if decode_layer.library() is None or decode_layer.kernels() is None or b.rotary.interleaved \
+            or attn.k_cache.dtype not in _CACHE_DTYPES \
             or attn.v_cache.dtype != attn.k_cache.dtype \
             or not kernel_norms(b.input_norm, b.post_attention_norm, b.q_norm, b.k_norm, *out_norms):
         return None
@@ -266,7 +197,7 @@ def describe(b: DecoderBlocks, ranges: int, rope: int = 0) -> Plan | None:
     max_rows = min(rows for _, rows in linears)
     hidden = b.input_norm.weight.shape[0]
     attention_out, mlp_out = b.attention_out_norm, b.mlp_out_norm
-    attention = _AttentionBlock(
+    attention = AttentionBlock(
         norm_weight=_kernel_weight(b.input_norm, keep), eps=b.input_norm.eps, hidden=hidden,
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         block_size=attn.k_cache.shape[1], scale=attn.scale, qkv=linears[0][0], o=linears[1][0],
@@ -280,7 +211,7 @@ def describe(b: DecoderBlocks, ranges: int, rope: int = 0) -> Plan | None:
     mlp = None
     if b.gate_up_proj is not None:
         gate_up, down = linears[2][0], linears[3][0]
-        mlp = _MlpBlock(norm_weight=_kernel_weight(b.post_attention_norm, keep), eps=b.post_attention_norm.eps,
+        mlp = MlpBlock(norm_weight=_kernel_weight(b.post_attention_norm, keep), eps=b.post_attention_norm.eps,
                         hidden=hidden, intermediate=gate_up.n // 2, gate_up=gate_up, down=down,
                         out_scale=b.output_scale, gelu=int(b.gelu), out_norm=_kernel_weight(mlp_out, keep),
                         out_eps=mlp_out.eps if mlp_out else 0.0)
@@ -304,7 +235,7 @@ class FusedDecodeLayer:
         self._plan: Plan | None | bool = False  # False: not described yet
 
     def serves(self, x: torch.Tensor, meta: object) -> bool:
-        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        if not cpu_kernels_apply(x) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             return False
         return self.serves_rows(x.shape[0], meta)
 
@@ -328,7 +259,7 @@ class FusedDecodeLayer:
         if first:
             residual = torch.empty_like(x)
         out = torch.empty_like(x)
-        lib, kernels = _library(), _kernels()
+        lib, kernels = decode_layer.library(), decode_layer.kernels()
         status = lib.attention_block(kernels, ctypes.byref(plan.attention), step[0], x.data_ptr(),
                                      residual.data_ptr(), int(first), step[1].data_ptr(), out.data_ptr())
         if status:

@@ -1,5 +1,6 @@
-"""A single-stage model's whole decode step on CPU in one C call (`decode_forward` in strata/csrc/decode_layer.c):
-the embedding lookup, every layer's blocks (FusedDecodeStack's), the final norm, the LM head and each row's argmax.
+"""A single-stage model's whole decode step on CPU in one C call (`decode_forward` in
+strata/kernels/cpu/csrc/decode_layer.c): the embedding lookup, every layer's blocks (FusedDecodeStack's), the final
+norm, the LM head and each row's argmax.
 
 The CPU counterpart of replaying a captured CUDA graph: at batch 1 the step's weights stream through the caches,
 and every Python and torch call around the layers then runs several times slower than in a warm loop (the embedding
@@ -14,24 +15,16 @@ import ctypes
 import numpy as np
 import torch
 
+from strata.kernels.cpu import decode_layer
+from strata.kernels.cpu.abi import Model
 from strata.layers import decode_block
-from strata.layers.decode_block import _Linear, describe_linear
+from strata.layers.decode_block import describe_linear
 from strata.layers.decode_stack import FusedDecodeStack, step_description
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.quantization import gguf_quants
 from strata.layers.quantization.gguf_method import GGUFMethod
-from strata.native import PTR
 
 _TABLE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("table", PTR), ("vocab", ctypes.c_int64), ("bf16", ctypes.c_int64), ("rope_cos", PTR),
-                ("rope_sin", PTR), ("rope_rows", ctypes.c_int64), ("rope_half", ctypes.c_int64),
-                ("ropes", ctypes.c_int64),
-                ("final_norm", PTR), ("final_eps", ctypes.c_float), ("head", _Linear), ("table_kind", ctypes.c_int64),
-                ("table_row_bytes", ctypes.c_int64), ("embed_scale", ctypes.c_float),
-                ("logits_divisor", ctypes.c_float), ("final_softcap", ctypes.c_float)]
 
 
 class FusedDecodeForward:
@@ -69,12 +62,12 @@ class FusedDecodeForward:
             logits, argmax = torch.empty(rows, model.head.n), torch.empty(rows, dtype=torch.int64)
             self._outputs[rows] = (logits, argmax.numpy(), logits.data_ptr(), argmax.data_ptr())
         logits, argmax, logits_ptr, argmax_ptr = self._outputs[rows]
-        args = (decode_block._kernels(), attention, mlp, len(self.stack.fused), ctypes.byref(step), ctypes.byref(model),
+        args = (decode_layer.kernels(), attention, mlp, len(self.stack.fused), ctypes.byref(step), ctypes.byref(model),
                 input_ids.data_ptr(), positions.data_ptr(), self._scratch.data_ptr(), logits_ptr, argmax_ptr)
-        status = decode_block._library().decode_forward(*args)
+        status = decode_layer.library().decode_forward(*args)
         if status == -3:  # a position past the rotary tables: grow them (checked before any work)
             self._bind_rope(int(positions.max()) + 1)
-            status = decode_block._library().decode_forward(*args)
+            status = decode_layer.library().decode_forward(*args)
         if status == -2:
             raise IndexError(f"a token id of {input_ids.tolist()} is outside the vocabulary of {model.vocab}")
         if status:
@@ -92,7 +85,7 @@ class FusedDecodeForward:
         model.rope_cos, model.rope_sin, model.rope_rows = cos.data_ptr(), sin.data_ptr(), common
         keep["rope"] = (cos, sin)
 
-    def _describe(self) -> tuple[_Model, dict, int] | None:
+    def _describe(self) -> tuple[Model, dict, int] | None:
         """The model's ends as the C call reads them, the tensors they point into and the most rows the head's
         kernel serves (as `compute_logits` would choose it), or None when one of them needs the modules' path."""
         head, norm = self.lm_head, self.stack.final_norm
@@ -107,7 +100,7 @@ class FusedDecodeForward:
         if described is None or described[0].n != self.embedding.vocab_size \
                 or described[0].k != self.embedding.hidden_size:
             return None
-        model = _Model(table=data.data_ptr(), vocab=self.embedding.vocab_size,
+        model = Model(table=data.data_ptr(), vocab=self.embedding.vocab_size,
                        bf16=int(data.dtype == torch.bfloat16), rope_cos=None, rope_sin=None, rope_rows=0,
                        rope_half=self.stack.rotaries[0].rotary_dim // 2, ropes=len(self.stack.rotaries),
                        final_norm=norm_weight.data_ptr(),

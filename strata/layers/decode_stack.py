@@ -13,16 +13,12 @@ import ctypes
 import torch
 from torch import nn
 
+from strata.kernels.cpu import cpu_kernels_apply, decode_layer
+from strata.kernels.cpu.abi import AttentionBlock, KeyRanges, MlpBlock, Step
 from strata.layers.attention import AttentionMetadata
 from strata.layers.decode_block import (
     FusedDecodeLayer,
     Plan,
-    _AttentionBlock,
-    _kernels,
-    _KeyRanges,
-    _library,
-    _MlpBlock,
-    _Step,
     has_decode_blocks,
     is_decode_step,
     kernel_norms,
@@ -31,19 +27,19 @@ from strata.layers.decode_block import (
 
 
 def step_description(meta: AttentionMetadata, windows: list, tokens: int, cos: torch.Tensor | None = None,
-                     sin: torch.Tensor | None = None) -> tuple[_Step, tuple]:
+                     sin: torch.Tensor | None = None) -> tuple[Step, tuple]:
     """A decode step's slots, rotary cos/sin (left for the callee when None) and the key ranges of each attention
     kind in `windows`, as the C blocks read them, and what it points into."""
     ranges, keep = [], [cos, sin, meta.slot_mapping]
     for window, chunk in windows:
         tables, first_keys, seq_lens = meta.decode_key_ranges(window, chunk)
-        ranges.append(_KeyRanges(max_blocks=tables.shape[1], block_tables=tables.data_ptr(),
+        ranges.append(KeyRanges(max_blocks=tables.shape[1], block_tables=tables.data_ptr(),
                                  first_keys=first_keys.data_ptr(), seq_lens=seq_lens.data_ptr()))
         keep += [tables, first_keys, seq_lens]
-    array = (_KeyRanges * len(ranges))(*ranges)
+    array = (KeyRanges * len(ranges))(*ranges)
     keep.append(array)
-    step = _Step(tokens=tokens, cos=None if cos is None else cos.data_ptr(),
-                 sin=None if sin is None else sin.data_ptr(), ranges=ctypes.cast(array, ctypes.POINTER(_KeyRanges)),
+    step = Step(tokens=tokens, cos=None if cos is None else cos.data_ptr(),
+                 sin=None if sin is None else sin.data_ptr(), ranges=ctypes.cast(array, ctypes.POINTER(KeyRanges)),
                  slots=meta.slot_mapping.data_ptr(), threads=torch.get_num_threads())
     return step, tuple(keep)
 
@@ -98,7 +94,7 @@ class FusedDecodeStack:
                  meta: object) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(output, residual) of the last layer, its output through the final norm when there is one (the residual
         then spent), or None when the step takes the per-layer path."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        if not cpu_kernels_apply(x) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
             return None
         blocks = self.blocks(x.shape[0], meta)
         if blocks is None:
@@ -110,9 +106,10 @@ class FusedDecodeStack:
             residual = torch.empty_like(x)
         hidden, out = torch.empty_like(x), torch.empty_like(x)
         norm = self.final_norm
-        status = _library().decode_layers(_kernels(), attention, mlp, len(self.fused), step, x.data_ptr(),
-                                          residual.data_ptr(), int(first), scratch.data_ptr(), hidden.data_ptr(),
-                                          out.data_ptr(), None if norm is None else norm_weight.data_ptr(),
+        status = decode_layer.library().decode_layers(decode_layer.kernels(), attention, mlp, len(self.fused), step,
+                                                      x.data_ptr(), residual.data_ptr(), int(first), scratch.data_ptr(),
+                                                      hidden.data_ptr(), out.data_ptr(),
+                                                      None if norm is None else norm_weight.data_ptr(),
                                           0.0 if norm is None else norm.eps)
         if status:
             raise MemoryError("decode layers could not allocate their scratch memory")
@@ -143,8 +140,8 @@ class FusedDecodeStack:
         norm = self.final_norm
         if not kernel_norms(norm):
             return None
-        attention = (_AttentionBlock * len(plans))(*(p.attention for p in plans))
-        mlp = (_MlpBlock * len(plans))(*(p.mlp for p in plans))
+        attention = (AttentionBlock * len(plans))(*(p.attention for p in plans))
+        mlp = (MlpBlock * len(plans))(*(p.mlp for p in plans))
         widest = max(plans, key=lambda p: p.scratch_floats(1))
         norm_weight = None if norm is None else norm_kernel_weight(norm)
         return plans, attention, mlp, widest, norm_weight, min(p.max_rows for p in plans)

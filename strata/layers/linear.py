@@ -12,15 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.distributed import Collective, ParallelContext, StepSize, tp_collective
+from strata.kernels.cpu import abi, cpu_kernels_apply
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.kernels.cpu.crossovers import SMALL_BATCH_DENSE, SMALL_BATCH_PLAIN
 from strata.layers import onednn_weights
 from strata.layers.onednn_weights import can_pack
-from strata.layers.quantization import cpu_matmul
-
-# Rows up to which the C kernels beat oneDNN's GEMM on oneDNN-packed float32 / bfloat16 weights (2 Zen 4 cores).
-SMALL_BATCH_DENSE = 3
-# Rows up to which the small-batch kernel beats the GEMM on a plain bfloat16 weight (2 Zen 3 cores, [1024 -> 5632]:
-# 2.3 against 3.4 ms at 8 rows, even at 16, 6.8 against 5.7 at 24).
-SMALL_BATCH_PLAIN = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,7 +31,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                                   weight.out_features, bias)
             return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)  # .to: no-op for float32 / bfloat16
         return onednn_weights.onednn_linear(x, weight, bias)
-    if x.device.type != "cpu":
+    if not cpu_kernels_apply(x):
         return F.linear(x, weight.to(x.dtype), bias)
     widened = _widened(weight)
     if 0 < rows <= _small_batch_limit(widened):
@@ -44,15 +40,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y = cpu_matmul.matmul(cpu_matmul.float_rows(x), weight, kind, weight.shape[0], bias=bias)
             return cpu_matmul.like_rows(y, x)
     if widened:
-        return cpu_matmul.widened_linear(x, weight, bias)
+        return widened_linear(x, weight, bias)
     if can_pack(weight) and x.dtype == weight.dtype:  # oneDNN also serves a plain weight
-        return cpu_matmul.gemm(x, weight, bias)
+        return onednn_weights.gemm(x, weight, bias)
     return F.linear(x, weight.to(x.dtype), bias)
 
 
 def _widened(weight: torch.Tensor) -> bool:
     """A plain bfloat16 weight where the CPU has no native bfloat16 GEMM: products widen it to float32."""
     return weight.dtype == torch.bfloat16 and not can_pack(weight)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T for many rows and a plain bfloat16 weight on a CPU without native bfloat16 arithmetic (whose own
+    bfloat16 GEMM runs about 5x slower): float32 rows times the weight widened in the GEMM (without a C compiler,
+    which strata.kernels.cpu.build warns about, a float32 copy of it). Returns x's dtype."""
+    rows = cpu_matmul.float_rows(x)
+    if not cpu_matmul.available():
+        y = F.linear(rows, weight.float(), None if bias is None else bias.float())
+    else:
+        y = cpu_matmul.narrow_gemm(rows, weight if weight.stride(1) == 1 else weight.contiguous(), abi.KIND_BF16,
+                                   weight.shape[0], bias=bias)
+    return cpu_matmul.like_rows(y, x)
 
 
 def small_batch_rows(weight: torch.Tensor) -> int:

@@ -2,22 +2,11 @@
 call instead of seven torch ops, a prefill's rows shared among the threads)."""
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 from torch import nn
 
-from strata import native
-from strata.native import F32, I32, I64, PTR
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    return native.bind("rms_norm", {"rms_norm": ([PTR] * 5 + [I64, I64, F32, I32], None),
-                                    "rms_norm_heads": ([PTR, I64, I64, I64, I64, PTR, F32, I32], None)})
+from strata.kernels.cpu import cpu_kernels_apply, norm_rope
+from strata.kernels.cpu.abi import DTYPE_FLAGS
 
 
 class RMSNorm(nn.Module):
@@ -43,31 +32,23 @@ class RMSNorm(nn.Module):
         return self.normalize(x), x
 
     def _kernel_serves(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        return (x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
-                and x.dtype in _DTYPES and self.weight.dtype == x.dtype
+        return (cpu_kernels_apply(x) and x.dim() == 2 and x.is_contiguous()
+                and x.dtype in DTYPE_FLAGS and self.weight.dtype == x.dtype
                 and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()
                                           and residual.shape == x.shape))
-                and _library() is not None)
+                and norm_rope.rms_norm_library() is not None)
 
     def _heads_kernel_serves(self, x: torch.Tensor) -> bool:
         """Heads [T, H, D], each contiguous (views into a qkv output): q/k norms."""
-        return (x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
-                and x.stride(1) == x.shape[2] and x.dtype in _DTYPES and self.weight.dtype == x.dtype
-                and _library() is not None)
+        return (cpu_kernels_apply(x) and x.dim() == 3 and x.stride(2) == 1
+                and x.stride(1) == x.shape[2] and x.dtype in DTYPE_FLAGS and self.weight.dtype == x.dtype
+                and norm_rope.rms_norm_library() is not None)
 
     def _heads_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.contiguous() if not x.is_contiguous() else x.clone()
-        _library().rms_norm_heads(out.data_ptr(), out.shape[0], out.shape[1], out.shape[2], out.stride(0),
-                                  self.weight.data_ptr(), self.eps, _DTYPES[x.dtype])
-        return out
+        return norm_rope.rms_norm_heads(x, self.weight, self.eps)
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None):
-        out = torch.empty_like(x)
-        summed = None if residual is None else torch.empty_like(x)
-        _library().rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), self.weight.data_ptr(),
-                            out.data_ptr(), None if summed is None else summed.data_ptr(), x.shape[0], x.shape[1],
-                            self.eps, _DTYPES[x.dtype])
-        return out if residual is None else (out, summed)
+        return norm_rope.rms_norm(x, residual, self.weight, self.eps)
 
 
 class GemmaRMSNorm(RMSNorm):

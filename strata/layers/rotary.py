@@ -3,30 +3,21 @@
 small C kernel (one call for q and k instead of a dozen ops, a prefill's tokens shared among the threads)."""
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from strata import native
 from strata.errors import UnsupportedModelError
-from strata.native import I32, I64, PTR
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    return native.bind("rotary", {"rope_half_split": ([PTR, I64, I64, I64, I64, I64, PTR, PTR, I32], None)})
+from strata.kernels.cpu import cpu_kernels_apply, norm_rope
+from strata.kernels.cpu.abi import DTYPE_FLAGS
 
 
 def _kernel_serves(x: torch.Tensor, head_dim: int) -> bool:
     """[T, H, D] heads whose values are contiguous per token row (e.g. views into a fused qkv output)."""
-    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 3 and x.stride(2) == 1
-            and x.stride(1) == head_dim and _library() is not None)
+    return (cpu_kernels_apply(x) and x.dtype in DTYPE_FLAGS and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == head_dim and norm_rope.rotary_library() is not None)
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -251,8 +242,7 @@ class RotaryEmbedding(nn.Module):
         """q and k rotated in place: callers pass fresh projections (views into one qkv output)."""
         cos, sin = self._step_cos_sin(positions, q.dtype)  # [T, D / 2], contiguous
         for x in (q, k):
-            _library().rope_half_split(x.data_ptr(), x.shape[0], x.shape[1], self.head_dim, self.rotary_dim,
-                                       x.stride(0), cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype])
+            norm_rope.rope_half_split(x, self.head_dim, self.rotary_dim, cos, sin)
         return q, k
 
     def _rotate_leading(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ def test_bench_latency_reports_consistent_tokens_per_second_and_bandwidth(llama_
 
 def test_bench_latency_says_which_cpu_paths_ran(llama_tied, capsys):
     """Every decode step of a float32 Llama at batch 1 is one C call; the line names the kernels' build."""
-    from strata.layers.quantization import cpu_matmul
+    from strata.kernels.cpu import matmul as cpu_matmul
 
     rc = main(["bench", "latency", "--model", str(llama_tied), "--batch-size", "1", "--input-len", "5",
                "--output-len", "6", "--num-iters-warmup", "0", "--num-iters", "1", "--dtype", "float32",
@@ -49,21 +49,22 @@ def test_bench_latency_says_which_cpu_paths_ran(llama_tied, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU kernels:"))
     if cpu_matmul.available():
         assert "5 decode steps in one C call each" in line
-        assert line.endswith(f"built for {cpu_matmul.build()}") and cpu_matmul.build() in (
+        assert line.endswith(f"built for {cpu_matmul.instruction_set()}") and cpu_matmul.instruction_set() in (
             "AVX-512 with VNNI", "AVX-512", "AVX2", "portable C")
 
 
 def test_bench_latency_names_the_measured_gguf_kernel_choice(gguf_tied_q4_1, capsys):
-    from strata.layers.quantization import cpu_matmul
+    from strata.kernels.cpu import abi
+    from strata.kernels.cpu import matmul as cpu_matmul
 
-    if not cpu_matmul.available() or cpu_matmul.build() == "portable C":
+    if not cpu_matmul.available() or cpu_matmul.instruction_set() == "portable C":
         pytest.skip("no fixed-point kernels in this build")
     rc = main(["bench", "latency", "--model", str(gguf_tied_q4_1), "--batch-size", "1", "--input-len", "5",
                "--output-len", "4", "--num-iters-warmup", "0", "--num-iters", "1", "--max-model-len", "64"])
     assert rc == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU kernels:"))
     assert "GGUF fixed-point kernels (then float): Q4_1 up to" in line
-    gemm = "AMX above" if cpu_matmul._gemm_library().gemm_engine(cpu_matmul.KIND_Q4_1) == 1 else "FMA"
+    gemm = "AMX above" if cpu_matmul.gemm_library().gemm_engine(abi.KIND_Q4_1) == abi.GEMM_AMX else "FMA"
     assert f"large-batch GEMM: Q4_1 {gemm}" in line  # the engine each kind's layers take, as measured
 
 

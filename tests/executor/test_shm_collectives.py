@@ -12,8 +12,9 @@ from processes import leave_process_group, spawn_ranks
 from strata.distributed import IntermediateTensors
 from strata.executor import shm_collectives
 from strata.executor.parallel import init_distributed
+from strata.kernels.cpu import collectives
 
-pytestmark = pytest.mark.skipif(shm_collectives._library() is None, reason="no C compiler to build the library")
+pytestmark = pytest.mark.skipif(collectives.library() is None, reason="no C compiler to build the library")
 
 
 def _tensor(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:

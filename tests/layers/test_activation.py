@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.layers import activation
+from strata.kernels.cpu import activation as activation_kernels
 from strata.layers.activation import gelu_tanh_and_mul, silu_and_mul
 
 GATES = {"silu": (silu_and_mul, F.silu), "gelu_tanh": (gelu_tanh_and_mul, lambda g: F.gelu(g, approximate="tanh"))}
@@ -17,7 +17,7 @@ GATES = {"silu": (silu_and_mul, F.silu), "gelu_tanh": (gelu_tanh_and_mul, lambda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 32, 100])
 def test_gated_activation_matches_torch_in_float64(kind, dtype, rows):
-    if activation._library() is None:
+    if activation_kernels.library() is None:
         pytest.skip("no C compiler")
     ours, torch_gate = GATES[kind]
     gate_up = (torch.randn(rows, 2 * 1000, generator=torch.Generator().manual_seed(rows)) * 6).to(dtype)

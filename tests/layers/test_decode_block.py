@@ -8,7 +8,7 @@ from checkpoints import make_llama
 
 from strata import LLM, SamplingParams
 from strata import config as config_module
-from strata.layers import decode_block
+from strata.kernels.cpu import decode_layer
 from strata.layers.decode_block import FusedDecodeLayer
 from strata.layers.decode_forward import FusedDecodeForward
 from strata.layers.decode_stack import FusedDecodeStack
@@ -59,7 +59,7 @@ def _assert_same_outputs(fused: list, plain: list) -> None:
 def test_fused_decode_gives_the_modules_tokens_and_logprobs_exactly(llama_with_biases, monkeypatch, batch, path):
     """Each fused path: the whole step in one call (embedding to argmax), all layers in one call (the stack), and one
     call per block (the stack's fallback)."""
-    if decode_block._library() is None or decode_block._kernels() is None:
+    if decode_layer.library() is None or decode_layer.kernels() is None:
         pytest.skip("no C compiler")
     llm = LLM(str(llama_with_biases), device="cpu")
     try:
@@ -95,7 +95,7 @@ def test_prefill_steps_and_batches_past_the_kernels_keep_the_modules_path(llama_
 def test_the_whole_step_reads_a_bfloat16_tied_table_and_grows_its_rotary_tables(tmp_path, monkeypatch):
     """A bfloat16 checkpoint (float32 compute, weights kept in bfloat16, as on a CPU without native bfloat16) with a
     tied head and llama3 rope scaling, decoding across position 256, where the rotary tables it looks up first end."""
-    if decode_block._library() is None or decode_block._kernels() is None:
+    if decode_layer.library() is None or decode_layer.kernels() is None:
         pytest.skip("no C compiler")
     monkeypatch.setattr(config_module, "cpu_has_native_bfloat16", lambda: False)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -122,7 +122,7 @@ def test_a_bfloat16_kv_cache_under_a_float32_model_decodes_through_the_whole_ste
                                                                                                   monkeypatch):
     """kv_cache_dtype=bfloat16: half the bytes a block, and the one-call step reads and writes that cache exactly as
     the modules' attention does."""
-    if decode_block._library() is None or decode_block._kernels() is None:
+    if decode_layer.library() is None or decode_layer.kernels() is None:
         pytest.skip("no C compiler")
     memory = 1 << 20
     float_cache = LLM(str(llama_with_biases), device="cpu", kv_cache_memory=memory)

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.kernels.cpu.crossovers import SMALL_BATCH_DENSE, SMALL_BATCH_PLAIN
 from strata.layers import linear as linear_module
 from strata.layers import onednn_weights
-from strata.layers.linear import SMALL_BATCH_DENSE, SMALL_BATCH_PLAIN, linear
-from strata.layers.quantization import cpu_matmul
+from strata.layers.linear import linear
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if onednn_weights.can_pack(torch.zeros(1, dtype=torch.bfloat16))
                             else [])
@@ -26,7 +27,7 @@ def _spy(monkeypatch, module, name) -> list:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("packed", [True, False])
 def test_linear_matches_f_linear_on_every_path(dtype, rows, bias, packed, monkeypatch):
-    if not cpu_matmul.available() or onednn_weights._library() is None:
+    if not cpu_matmul.available() or cpu_matmul.blocked_library() is None:
         pytest.skip("no C compiler")
     blocked, plain = _spy(monkeypatch, onednn_weights, "small_batch_linear"), _spy(monkeypatch, cpu_matmul, "matmul")
     g = torch.Generator().manual_seed(rows)
@@ -57,7 +58,7 @@ def test_a_packed_weight_whose_layout_is_unknown_runs_onednn_for_every_batch(mon
 def test_linear_keeps_leading_dimensions_and_runs_without_the_kernels(monkeypatch):
     x, w = torch.randn(1, 2, 40), torch.randn(9, 40)
     with_kernel = linear(x, onednn_weights.pack(w))
-    monkeypatch.setattr(cpu_matmul, "_library", lambda: None)
+    monkeypatch.setattr(cpu_matmul, "weight_only_library", lambda: None)
     assert with_kernel.shape == linear(x, w).shape == (1, 2, 9)
     torch.testing.assert_close(linear(x, w), with_kernel, rtol=1e-5, atol=1e-5)
 
@@ -82,7 +83,7 @@ def test_a_plain_bfloat16_weight_without_native_bfloat16_takes_the_kernel_or_the
     if not cpu_matmul.available():
         pytest.skip("no C compiler")
     _as_without_native_bfloat16(monkeypatch)
-    kernel, gemm = _spy(monkeypatch, cpu_matmul, "matmul"), _spy(monkeypatch, cpu_matmul, "widened_linear")
+    kernel, gemm = _spy(monkeypatch, cpu_matmul, "matmul"), _spy(monkeypatch, linear_module, "widened_linear")
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(77, 100, generator=g) * 0.1).bfloat16()
     b = torch.randn(77, generator=g).bfloat16()
@@ -97,7 +98,7 @@ def test_a_plain_bfloat16_weight_without_native_bfloat16_takes_the_kernel_or_the
 
 def test_a_plain_bfloat16_weight_without_native_bfloat16_still_runs_without_the_kernels(monkeypatch):
     _as_without_native_bfloat16(monkeypatch)
-    monkeypatch.setattr(cpu_matmul, "_gemm_library", lambda: None)
+    monkeypatch.setattr(cpu_matmul, "gemm_library", lambda: None)
     w = torch.randn(30, 40).bfloat16()
     x = torch.randn(SMALL_BATCH_PLAIN + 3, 40)
     torch.testing.assert_close(linear(x, w), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.layers import rotary
+from strata.kernels.cpu import norm_rope
 from strata.layers.rotary import RotaryEmbedding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("positions", [[0, 3, 70, 5000], list(range(40, 140))], ids=["decode", "prefill"])
 def test_in_place_kernel_gives_the_torch_rotation_exactly(dtype, positions):
-    if rotary._library() is None:
+    if norm_rope.rotary_library() is None:
         pytest.skip("no C compiler")
     rope = RotaryEmbedding(64, 10000.0)
     positions, t = torch.tensor(positions), len(positions)

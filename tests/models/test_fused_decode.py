@@ -7,7 +7,7 @@ import pytest
 from arch_checkpoints import ARCHITECTURES, random_prompts
 
 from strata import LLM, SamplingParams
-from strata.layers import decode_block
+from strata.kernels.cpu import decode_layer
 from strata.layers.decode_block import FusedDecodeLayer
 from strata.layers.decode_forward import FusedDecodeForward
 from strata.layers.decode_stack import FusedDecodeStack
@@ -45,7 +45,7 @@ def _assert_same(fused: list, plain: list) -> None:
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_fused_decode_gives_the_modules_tokens_and_logprobs(name, arch_path, monkeypatch):
-    if decode_block._library() is None or decode_block._kernels() is None:
+    if decode_layer.library() is None or decode_layer.kernels() is None:
         pytest.skip("no C compiler")
     prompts = [{"prompt_token_ids": p} for p in random_prompts((20, 9))]  # past the 16-token windows
     fused, plain, whole, layers = _fused_and_plain(arch_path(name), monkeypatch, prompts)
@@ -68,12 +68,12 @@ def test_layers_past_their_measured_crossover_take_the_gemm_in_both_paths_alike(
     """A crossover of 2 rows (as kernel_choice may measure where the GEMM is fast): decode steps of 3 and 4 rows
     take the GEMM for every ggml layer, inside the C step as in the modules, with the same bits; the default
     crossover keeps them on the small-batch kernel, whose sums round otherwise."""
-    from strata.layers.quantization import kernel_choice
+    from strata.kernels.cpu import crossovers
 
     prompts = [{"prompt_token_ids": list(range(5 + 3 * i, 12 + 4 * i))} for i in range(4)]
     default, _, _, _ = _fused_and_plain(gguf_all_types, monkeypatch, prompts)
     monkeypatch.undo()
-    monkeypatch.setattr(kernel_choice, "small_batch_rows", lambda operands, k: 2)
+    monkeypatch.setattr(crossovers, "small_batch_rows", lambda operands, k: 2)
     fused, plain, whole, _ = _fused_and_plain(gguf_all_types, monkeypatch, prompts)
     _assert_same(fused, plain)
     assert len(whole) == 9

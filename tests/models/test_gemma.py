@@ -97,9 +97,9 @@ def test_decode_steps_take_the_whole_step_cpu_path_and_follow_transformers(gemma
     """Every decode step is one C call (embedding scale, the sandwich norms with their 1 + w weights, GELU-tanh,
     Gemma 2's attention and final caps, Gemma 3's q/k norms and two rotary bases, windows), and the tokens and
     logprobs are transformers'."""
-    from strata.layers import decode_block
+    from strata.kernels.cpu import decode_layer
 
-    if decode_block._library() is None or decode_block._kernels() is None:
+    if decode_layer.library() is None or decode_layer.kernels() is None:
         pytest.skip("no C compiler")
     served = []
     original = FusedDecodeForward.__call__
@@ -138,9 +138,9 @@ def test_triton_kernels_give_the_soft_capped_tokens_of_torch(gemma_path):
 def test_decode_steps_attend_through_the_cpu_kernel_with_the_cap(gemma_path, monkeypatch):
     """On the modules' path (as with TP > 1, whose all-reduce comes before the sandwich norms), capped layers' decode
     steps run the C decode kernel given the cap, and the tokens still follow transformers."""
-    from strata.layers import cpu_attention
+    from strata.kernels.cpu import attention as cpu_attention
 
-    if cpu_attention._library() is None:
+    if cpu_attention.decode_library() is None:
         pytest.skip("no C compiler")
     from strata.layers import decode_block
 

@@ -60,10 +60,10 @@ def test_greedy_tokens_and_logprobs_match_transformers_generate(gpt_oss_path, ti
 def test_decode_steps_run_the_attention_blocks_in_c_with_the_sinks(gpt_oss_path, reference, monkeypatch):
     """Each layer's attention block (sinks, windows, biases) is one C call on decode steps and the experts run as
     modules; the tokens and logprobs are transformers'."""
-    from strata.layers import decode_block
+    from strata.kernels.cpu import decode_layer
     from strata.layers.decode_block import FusedDecodeLayer
 
-    if decode_block._library() is None or decode_block._kernels() is None:
+    if decode_layer.library() is None or decode_layer.kernels() is None:
         pytest.skip("no C compiler")
     served, original = [], FusedDecodeLayer.__call__
     monkeypatch.setattr(FusedDecodeLayer, "__call__", lambda self, *a: served.append(self.plan) or original(self, *a))

@@ -13,9 +13,10 @@ from torch import nn
 from strata.config.quant_config import GGUFQuantConfig
 from strata.gguf import types
 from strata.gguf.weights import GGUFTensor
+from strata.kernels.cpu import crossovers
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
-from strata.layers.quantization import gguf_quants, kernel_choice
+from strata.layers.quantization import gguf_quants
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,10 @@ class GGUFMethod:
                                  f"its {self.n} rows")
         self.weights, self.loaded = pieces, []
         for p in pieces:
-            rows = gguf_quants.SMALL_BATCH
+            rows = crossovers.SMALL_BATCH_GGUF
             if p.data.device.type == "cpu":  # measured once (and cached) per type and shape
                 operands = {"weight": p.data, "kind": gguf_quants.kernel_kind(p.ggml_type), "out_features": p.rows}
-                rows = kernel_choice.choose(operands, self.k)
+                rows = crossovers.choose(operands, self.k)
             self.small_rows[p.ggml_type] = rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

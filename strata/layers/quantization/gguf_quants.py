@@ -1,5 +1,5 @@
 """GGUF (llama.cpp) tensor types kept in their blocks: the type table, a torch dequantizer (any device), products
-`gguf_linear` (C kernels on CPU, strata/csrc/gguf_*.h) and per-row embedding lookups `embedding_rows`.
+`gguf_linear` (C kernels on CPU, strata/kernels/cpu/csrc/gguf_*.h) and per-row embedding lookups `embedding_rows`.
 
 A GGUF weight is a uint8 tensor [N, row_bytes], one row per output feature: K values as K / values_per_block blocks
 of bytes_per_block bytes, exactly as ggml stores them (spec: specs/gguf.md). Its rows may be a view with a longer
@@ -28,12 +28,10 @@ from strata.gguf.types import (  # noqa: F401 - the table, re-exported for the k
     row_bytes,
     type_name,
 )
-from strata.layers.quantization import cpu_matmul
-
-# Rows of x up to which the small-batch kernel (each weight row read once for all of x, dequantized once per 8 rows)
-# beats the GEMM. Two Xeon (AVX-512) threads, [1536 x 768], microseconds small against GEMM: at 16 rows Q4_1 261 / 325,
-# Q8_0 245 / 293, Q6_K 343 / 370, Q4_K 399 / 325; at 24 rows even (404 / 387 ... 520 / 433).
-SMALL_BATCH = 16
+from strata.kernels.cpu import abi, cpu_kernels_apply
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.kernels.cpu.crossovers import SMALL_BATCH_GGUF
+from strata.layers import onednn_weights
 
 
 def _check_data(data: torch.Tensor, qtype: int, k: int) -> None:
@@ -139,27 +137,27 @@ def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 def kernel_kind(qtype: int) -> int:
     """The C kernels' name for a GGUF type (weight_only_matmul, weight_gemm, and the decode path's linear_t)."""
     check_type(qtype, "weight")
-    return cpu_matmul.KIND_GGUF + qtype
+    return abi.KIND_GGUF + qtype
 
 
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
-                small_rows: int = SMALL_BATCH) -> torch.Tensor:
+                small_rows: int = SMALL_BATCH_GGUF) -> torch.Tensor:
     """x [..., k] (float32 or bfloat16) times a GGUF weight uint8 [N, row_bytes] (+ bias [N]): [..., N] in x's dtype.
-    On CPU up to `small_rows` rows of x (kernel_choice.small_batch_rows of the type) run the small-batch C kernel
+    On CPU up to `small_rows` rows of x (crossovers.small_batch_rows of the type) run the small-batch C kernel
     (each weight row read once, its blocks dequantized in registers), more rows the C GEMM (the weight widened a
     cache-sized panel at a time; float32 weights: oneDNN's GEMM). Elsewhere, or without a C compiler (which
-    native.py warns about), the weight is dequantized for the call and F.linear runs."""
+    strata.kernels.cpu.build warns about), the weight is dequantized for the call and F.linear runs."""
     _check_data(data, qtype, k)
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the GGUF weight expects {k}")
     rows = cpu_matmul.float_rows(x)
     n = data.shape[0]
-    if x.device.type != "cpu" or not cpu_matmul.available():
+    if not cpu_kernels_apply(x) or not cpu_matmul.available():
         y = F.linear(rows, dequantize(data, qtype, k), None if bias is None else bias.to(torch.float32))
     elif rows.shape[0] <= small_rows:
         y = cpu_matmul.matmul(rows, data, kernel_kind(qtype), n, bias=bias)
     elif qtype == F32:
-        y = cpu_matmul.gemm(rows, data.view(torch.float32), None if bias is None else bias.to(torch.float32))
+        y = onednn_weights.gemm(rows, data.view(torch.float32), None if bias is None else bias.to(torch.float32))
     else:
         y = cpu_matmul.narrow_gemm(rows, data, kernel_kind(qtype), n, bias=bias)
     return cpu_matmul.like_rows(y, x)
@@ -172,7 +170,7 @@ def embedding_rows(data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) ->
     flat = ids.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= data.shape[0]):
         raise IndexError(f"embedding ids must lie in 0..{data.shape[0] - 1}, got {int(flat.min())}..{int(flat.max())}")
-    if data.device.type == "cpu" and cpu_matmul.available():
+    if cpu_kernels_apply(data) and cpu_matmul.available():
         out = cpu_matmul.rows(data, kernel_kind(qtype), k, flat.cpu())
     else:
         out = dequantize(data[flat.to(data.device)], qtype, k)

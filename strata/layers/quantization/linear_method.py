@@ -13,17 +13,17 @@ from torch import nn
 from strata.config.quant_config import FP8, INT8_W8A8, GGUFQuantConfig, LinearScheme, MXFP4QuantConfig, QuantConfig
 from strata.errors import ConfigError
 from strata.gguf import types as gguf_types
+from strata.kernels.cpu import crossovers
+from strata.kernels.cpu.crossovers import SMALL_BATCH_WEIGHT_ONLY
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
 from strata.layers.moe import FusedMoE
-from strata.layers.quantization import kernel_choice
 from strata.layers.quantization.formats import Canonical, layouts, to_canonical
 from strata.layers.quantization.gguf_method import quantize_gguf
 from strata.layers.quantization.moe_method import quantize_experts
 from strata.layers.quantization.mxfp4 import mxfp4_experts
 from strata.layers.quantization.stored import load_stored, local_shape
 from strata.layers.quantization.weight_only import (
-    SMALL_BATCH,
     QuantizedWeight,
     kernel_operands,
     pack_fp8,
@@ -43,7 +43,8 @@ class QuantizedLinearMethod:
         self.scheme, self.n, self.k, self.name = scheme, out_features, in_features, name
         self.weight: QuantizedWeight | None = None
         self.perm: torch.Tensor | None = None
-        self.small_rows = SMALL_BATCH  # rows up to which products take the small-batch kernel (measured at finish)
+        # rows up to which products take the small-batch kernel (measured at finish)
+        self.small_rows = SMALL_BATCH_WEIGHT_ONLY
 
     def finish(self, layer: PackableLinear) -> None:
         """Loaded stored tensors -> the canonical weight; the stored tensors are dropped."""
@@ -71,7 +72,7 @@ class QuantizedLinearMethod:
 
     def _choose_kernels(self) -> None:
         if self.weight.packed.device.type == "cpu":  # measured once (and cached) per kind and shape
-            self.small_rows = kernel_choice.choose(kernel_operands(self.weight), self.weight.in_features)
+            self.small_rows = crossovers.choose(kernel_operands(self.weight), self.weight.in_features)
 
     def apply(self, layer: PackableLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight is None:

@@ -13,13 +13,13 @@ from torch import nn
 
 from strata.config.quant_config import AWQ, GPTQ, PACKED, LinearScheme
 from strata.errors import ConfigError
+from strata.kernels.cpu import crossovers
+from strata.kernels.cpu.crossovers import SMALL_BATCH_WEIGHT_ONLY
 from strata.layers.activation import silu_and_mul
 from strata.layers.moe import DOWN, GATE, FusedMoE
-from strata.layers.quantization import kernel_choice
 from strata.layers.quantization.formats import TensorLayout, layouts, to_canonical
 from strata.layers.quantization.stored import load_stored, local_shape
 from strata.layers.quantization.weight_only import (
-    SMALL_BATCH,
     QuantizedWeight,
     kernel_operands,
     pack_weight,
@@ -59,7 +59,8 @@ class QuantizedExpertsMethod:
         self.gate_up: list[QuantizedWeight] = []
         self.down: list[QuantizedWeight] = []
         self.perms: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []  # activation order, per expert
-        self.small_rows = (SMALL_BATCH, SMALL_BATCH)  # gate_up's and down's: up to them the small-batch kernel
+        # gate_up's and down's: up to them the small-batch kernel
+        self.small_rows = (SMALL_BATCH_WEIGHT_ONLY, SMALL_BATCH_WEIGHT_ONLY)
 
     def stored_names(self, moe: FusedMoE) -> dict[str, dict[str, TensorLayout]]:
         """Projection -> {suffix: layout} of the tensors each expert stores (layouts judge groups on full K)."""
@@ -97,7 +98,7 @@ class QuantizedExpertsMethod:
             for suffix in suffixes:
                 delattr(moe, f"{proj}_{suffix}")
         if self.gate_up and self.gate_up[0].packed.device.type == "cpu":  # measured (and cached) per kind and shape
-            self.small_rows = tuple(kernel_choice.choose(kernel_operands(w[0]), w[0].in_features)
+            self.small_rows = tuple(crossovers.choose(kernel_operands(w[0]), w[0].in_features)
                                     for w in (self.gate_up, self.down))
 
     def _pack(self, moe: FusedMoE, e: int, proj: str, lays: dict[str, TensorLayout], n: int,

@@ -1,5 +1,6 @@
 """MXFP4 weights as gpt-oss checkpoints store them (`quantization_config.quant_method: mxfp4`): a torch dequantizer
-(any device, the CUDA path) and the product `mxfp4_linear` (a C kernel for few rows on CPU, strata/csrc/mxfp4.h).
+(any device, the CUDA path) and the product `mxfp4_linear` (a C kernel for few rows on CPU,
+strata/kernels/cpu/csrc/mxfp4.h).
 
 A weight of N outputs and K = 32 * G inputs is two uint8 tensors, exactly as the checkpoint holds them:
 `blocks` [N, G, 16], two e2m1 (FP4) codes a byte, low nibble first (value 2j of a block in byte j's low nibble,
@@ -13,17 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from strata.errors import ConfigError
+from strata.kernels.cpu import abi, cpu_kernels_apply
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.kernels.cpu.crossovers import SMALL_BATCH_MXFP4
 from strata.layers.moe import FusedMoE
-from strata.layers.quantization import cpu_matmul
 
 VALUES_PER_BLOCK, BYTES_PER_BLOCK = 32, 16
-# strata/csrc/mxfp4.h's KIND_MXFP4 for weight_only_matmul: clear of the dense kinds and of KIND_GGUF + ggml's types.
-KIND_MXFP4 = 16
 # e2m1: sign bit 3, then two exponent bits and one mantissa bit.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# Rows of x up to which the C kernel (each weight row read once per 4 rows of x) serves; more rows dequantize
-# panels of the weight into float32 and run the GEMM.
-SMALL_BATCH = 16
 _PANEL_ROWS = 256  # weight rows dequantized at a time for many rows of x: a float32 panel stays in L2
 
 
@@ -67,7 +65,7 @@ def _kernel_ready(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (float32 or bfloat16) times one MXFP4 weight (blocks [N, K / 32, 16], scales [N, K / 32]) transposed,
-    + bias [N]: [..., N] in x's dtype. On CPU up to SMALL_BATCH rows of x run the C kernel (rows read once, values
+    + bias [N]: [..., N] in x's dtype. On CPU up to SMALL_BATCH_MXFP4 rows of x run the C kernel (rows read once, values
     decoded in registers), more rows the GEMM over float32 panels of the weight; elsewhere, or without a C compiler,
     the weight is dequantized (to x's dtype) for the call and F.linear runs."""
     check_mxfp4(blocks, scales)
@@ -78,15 +76,15 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     k = groups * VALUES_PER_BLOCK
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the MXFP4 weight expects {k}")
-    if x.device.type != "cpu" or not cpu_matmul.available():
+    if not cpu_kernels_apply(x) or not cpu_matmul.available():
         weight = dequantize(blocks, scales, x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
     rows = cpu_matmul.float_rows(x)
-    if rows.shape[0] <= SMALL_BATCH:
+    if rows.shape[0] <= SMALL_BATCH_MXFP4:
         if not _kernel_ready(blocks, scales):
             blocks, scales = blocks.contiguous(), scales.contiguous()
         flat = blocks.as_strided((n, groups * BYTES_PER_BLOCK), (blocks.stride(0), 1))
-        y = cpu_matmul.matmul(rows, flat, KIND_MXFP4, n, scales=scales, group_size=VALUES_PER_BLOCK, bias=bias)
+        y = cpu_matmul.matmul(rows, flat, abi.KIND_MXFP4, n, scales=scales, group_size=VALUES_PER_BLOCK, bias=bias)
     else:
         y = torch.empty(rows.shape[0], n, dtype=torch.float32)
         for n0 in range(0, n, _PANEL_ROWS):

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.layers.quantization import cpu_matmul
+from strata.kernels.cpu import abi, cpu_kernels_apply
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.kernels.cpu.crossovers import SMALL_BATCH_WEIGHT_ONLY
 
 BLOCK = 32
-# Rows up to which the small-batch kernel beats the GEMM (2 Zen 3 cores, [1024 -> 5632] int4: 2.3 against 3.5 ms at
-# 8 rows, even at 16, 6.6 against 5.3 at 24).
-SMALL_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,8 @@ class QuantizedWeight:
     def kernel_kind(self) -> int:
         """The C kernel's name for this weight's values."""
         if self.float8:
-            return cpu_matmul.KIND_FP8
-        return cpu_matmul.KIND_INT4 if self.bits == 4 else cpu_matmul.KIND_INT8
+            return abi.KIND_FP8
+        return abi.KIND_INT4 if self.bits == 4 else abi.KIND_INT8
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -149,15 +148,16 @@ def kernel_operands(w: QuantizedWeight) -> dict:
 
 
 def weight_only_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
-                       small_rows: int = SMALL_BATCH) -> torch.Tensor:
+                       small_rows: int = SMALL_BATCH_WEIGHT_ONLY) -> torch.Tensor:
     """x [..., K] (float32 or bfloat16) times the weight: [..., N] in x's dtype. On CPU, up to `small_rows` rows
-    (kernel_choice.small_batch_rows of the weight's kind) run the small-batch C kernel (weights read once,
+    (crossovers.small_batch_rows of the weight's kind) run the small-batch C kernel (weights read once,
     dequantized in registers), more rows the C GEMM (the weight dequantized a cache-sized panel at a time).
-    Elsewhere (CUDA, or no C compiler, which native.py warns about) the plain-torch dequantize-then-matmul runs."""
+    Elsewhere (CUDA, or no C compiler, which strata.kernels.cpu.build warns about) the plain-torch
+    dequantize-then-matmul runs."""
     if x.shape[-1] != w.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {w.in_features}")
     rows = cpu_matmul.float_rows(x)
-    if x.device.type != "cpu" or not cpu_matmul.available():
+    if not cpu_kernels_apply(x) or not cpu_matmul.available():
         y = F.linear(rows, dequantize(w), None if bias is None else bias.to(torch.float32))
     else:
         product = cpu_matmul.matmul if rows.shape[0] <= small_rows else cpu_matmul.narrow_gemm

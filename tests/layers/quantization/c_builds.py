@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from strata import native
-from strata.layers.quantization import cpu_matmul
+from strata.kernels.cpu import abi
+from strata.kernels.cpu import build as cpu_build
+from strata.kernels.cpu import matmul as cpu_matmul
 
 _AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw"]
 # name -> (compiler flags, the CPU flags the build needs to run)
@@ -46,26 +47,27 @@ def forced_build(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, op
         pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
     libraries = {}
     for name in ("weight_only", "weight_gemm"):
-        source = Path(native.__file__).with_name("csrc") / f"{name}.c"
+        source = cpu_build.SOURCES / f"{name}.c"
         target = tmp_path / f"{name}_{build}.so"
         subprocess.run([compiler, opt, "-fopenmp", "-shared", "-fPIC", *flags, str(source), "-o", str(target), "-lm"],
                        check=True)
         libraries[name] = ctypes.CDLL(str(target))
-    monkeypatch.setattr(native, "load", libraries.__getitem__)
-    cpu_matmul._library.cache_clear()
-    cpu_matmul._gemm_library.cache_clear()
+        abi.check(name, libraries[name])  # each forced build lays out and numbers its kinds as abi.py does
+    monkeypatch.setattr(cpu_build, "load", libraries.__getitem__)
+    cpu_matmul.weight_only_library.cache_clear()
+    cpu_matmul.gemm_library.cache_clear()
     try:
         yield
     finally:
-        cpu_matmul._library.cache_clear()
-        cpu_matmul._gemm_library.cache_clear()
+        cpu_matmul.weight_only_library.cache_clear()
+        cpu_matmul.gemm_library.cache_clear()
 
 
 @contextlib.contextmanager
 def gemm_engine(engine: str) -> Iterator[None]:
     """cpu_matmul's large-batch products on `engine` ("FMA", or "AMX" for every kind that has it) inside the block;
     skipped where the library has no AMX path or the operating system refuses this process AMX's tiles."""
-    lib = cpu_matmul._gemm_library()
+    lib = cpu_matmul.gemm_library()
     if lib is None:
         pytest.skip("no C compiler")
     kinds = [k for k in GEMM_KINDS if lib.gemm_engine(k) >= 0]

@@ -10,7 +10,9 @@ from c_builds import forced_build, gemm_engine
 from gguf_packing import ALL_TYPES, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0  # noqa: E402
 
 from strata.errors import ConfigError
-from strata.layers.quantization import cpu_matmul, gguf_quants
+from strata.kernels.cpu import abi, crossovers
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.layers.quantization import gguf_quants
 
 QUANTIZED = (gp.Q4_0, gp.Q4_1, Q5_0, gp.Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 NAMES = {t: gguf_quants.TYPES[t].name for t in ALL_TYPES}
@@ -132,7 +134,7 @@ def test_a_shard_of_whole_blocks_of_each_row_multiplies_in_place(qtype):
     per_block, nbytes = gp.SIZES[qtype]
     data, weight = _rows(qtype, 10, 4 * per_block, seed=9)
     shard = data[:, nbytes:3 * nbytes]
-    for m in (1, 5, gguf_quants.SMALL_BATCH + 1):
+    for m in (1, 5, crossovers.SMALL_BATCH_GGUF + 1):
         x = torch.randn(m, 2 * per_block)
         y = gguf_quants.gguf_linear(x, shard, qtype, 2 * per_block)
         _assert_close_to(y, x.double().numpy() @ weight[:, per_block:3 * per_block].T, f"{m} rows")
@@ -149,7 +151,7 @@ def test_small_batch_kernel_and_gemm_each_match_at_every_row_count_they_may_serv
     with gemm_engine(engine):
         for k in (512 if _block_values(qtype) == 256 else 224, 2048 if _block_values(qtype) == 256 else 1536):
             data, weight = _rows(qtype, 21, k, seed=5)
-            for m in (1, 2, 3, 4, 6, gguf_quants.SMALL_BATCH, gguf_quants.SMALL_BATCH + 1, 48):
+            for m in (1, 2, 3, 4, 6, crossovers.SMALL_BATCH_GGUF, crossovers.SMALL_BATCH_GGUF + 1, 48):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 expected = x.double().numpy() @ weight.T
                 _assert_close_to(cpu_matmul.matmul(x, data, kind, 21), expected, f"small batch, {m} rows")
@@ -240,7 +242,7 @@ def test_rows_of_partial_blocks_are_refused_by_python_and_by_the_kernels():
         with pytest.raises(ValueError, match="whole blocks"):
             product(torch.randn(1, 48), torch.zeros(4, 36, dtype=torch.uint8), gguf_quants.kernel_kind(Q4_0), 4)
         with pytest.raises(ValueError, match="whole blocks"):  # Q3_K: a kind the kernels do not read
-            product(torch.randn(1, 256), torch.zeros(4, 110, dtype=torch.uint8), cpu_matmul.KIND_GGUF + 11, 4)
+            product(torch.randn(1, 256), torch.zeros(4, 110, dtype=torch.uint8), abi.KIND_GGUF + 11, 4)
 
 
 # The plain-C build, AVX2 without F16C (its halves converted in C) and AMX tiles (its GEMM on them), beside the
@@ -251,7 +253,7 @@ def test_each_c_build_matches_gguf(build, tmp_path, monkeypatch):
         for qtype in ALL_TYPES:
             k = 512 if _block_values(qtype) == 256 else 160
             data, weight = _rows(qtype, 19, k, seed=qtype)
-            for m, threads in ((1, 1), (3, 2), (6, 2), (gguf_quants.SMALL_BATCH + 3, 2)):
+            for m, threads in ((1, 1), (3, 2), (6, 2), (crossovers.SMALL_BATCH_GGUF + 3, 2)):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) + 1
                 y = _linear_on_threads(threads, x, data, qtype, k)
                 _assert_close_to(y, x.double().numpy() @ weight.T, f"{build}, {NAMES[qtype]}, {m} rows")

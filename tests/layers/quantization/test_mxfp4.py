@@ -9,7 +9,9 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from strata.config.quant_config import MXFP4QuantConfig, parse_quant_config, quant_tp_problem
 from strata.errors import ConfigError
-from strata.layers.quantization import cpu_matmul, mxfp4
+from strata.kernels.cpu import abi
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.layers.quantization import mxfp4
 
 EXTREME_EXPONENTS = (0, 1, 2, 64, 126, 127, 128, 200, 253, 254, 255)
 
@@ -84,7 +86,7 @@ def _check_products(what: str) -> None:
             x = torch.randn(m, groups * 32, generator=torch.Generator().manual_seed(m)) + 1
             expected = x.double() @ weight.T
             threads = 1 + m % 2
-            y = _on_threads(threads, cpu_matmul.matmul, x, flat, mxfp4.KIND_MXFP4, n, scales=scales, bias=bias)
+            y = _on_threads(threads, cpu_matmul.matmul, x, flat, abi.KIND_MXFP4, n, scales=scales, bias=bias)
             _assert_close_to(y, expected + bias.double(), f"{what}: kernel, {n}x{groups * 32}, {m} rows")
             y = _on_threads(threads, mxfp4.mxfp4_linear, x, blocks, scales)
             assert y.shape == (m, n) and y.dtype == torch.float32

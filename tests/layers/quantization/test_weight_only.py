@@ -5,9 +5,10 @@ import pytest
 import torch
 from c_builds import BUILDS, cpu_flags, forced_build, gemm_engine
 
-from strata.layers.quantization import cpu_matmul
+from strata.kernels.cpu import abi
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.kernels.cpu.crossovers import SMALL_BATCH_WEIGHT_ONLY as SMALL_BATCH
 from strata.layers.quantization.weight_only import (
-    SMALL_BATCH,
     dequantize,
     pack_fp8,
     pack_weight,
@@ -93,21 +94,21 @@ def _kernel_cases(n: int, k: int):
     """(kind, weight rows, scales, zeros, effective group, reference weight) for every kind the kernel reads."""
     g = torch.Generator().manual_seed(3)
     dense = torch.randn(n, k, generator=g)
-    yield cpu_matmul.KIND_F32, dense, None, None, -1, dense
-    yield cpu_matmul.KIND_BF16, dense.bfloat16(), None, None, -1, dense.bfloat16().float()
+    yield abi.KIND_F32, dense, None, None, -1, dense
+    yield abi.KIND_BF16, dense.bfloat16(), None, None, -1, dense.bfloat16().float()
     for bits, group_size, symmetric in [(4, 32, False), (4, 128, True), (4, -1, True), (8, 64, False),
                                         (8, -1, False)]:
         q, scales, zeros = _random_weight(n, k, bits, group_size, symmetric)
         w = pack_weight(q, scales, zeros, bits, group_size)
-        kind = cpu_matmul.KIND_INT4 if bits == 4 else cpu_matmul.KIND_INT8
+        kind = abi.KIND_INT4 if bits == 4 else abi.KIND_INT8
         yield kind, w.packed, w.scales, w.zeros, w.effective_group_size, _reference(q, scales, zeros, bits,
                                                                                       group_size)
     q, scales, zeros = _random_weight(n, k, 4, 64, False)
     zeros += 0.25  # zero points off the integers: no longer exact in bfloat16 once subtracted (AMX declines them)
     w = pack_weight(q, scales, zeros, 4, 64)
-    yield cpu_matmul.KIND_INT4, w.packed, w.scales, w.zeros, 64, _reference(q, scales, zeros, 4, 64)
+    yield abi.KIND_INT4, w.packed, w.scales, w.zeros, 64, _reference(q, scales, zeros, 4, 64)
     fp8 = pack_fp8(_random_fp8(n, k, 4), torch.rand(n, generator=g) + 0.5)
-    yield cpu_matmul.KIND_FP8, fp8.packed, fp8.scales, None, fp8.effective_group_size, dequantize(fp8)
+    yield abi.KIND_FP8, fp8.packed, fp8.scales, None, fp8.effective_group_size, dequantize(fp8)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -141,7 +142,7 @@ def test_gemm_matches_the_reference_for_every_kind(m, n, k, threads, engine):
         torch.set_num_threads(threads)
         try:
             for kind, weight, scales, zeros, group, reference in _kernel_cases(n, k):
-                if kind == cpu_matmul.KIND_F32:
+                if kind == abi.KIND_F32:
                     continue  # float32 weights are oneDNN's
                 y = cpu_matmul.narrow_gemm(x, weight, kind, n, scales, zeros, group, bias)
                 _assert_close_to(y, x.double() @ reference.double().T + bias.double(), f"kind {kind}")
@@ -165,7 +166,7 @@ def _check_builds_products(build: str) -> None:
                 expected = x.double() @ reference.double().T
                 y = cpu_matmul.matmul(x, weight, kind, 45, scales, zeros, group)
                 _assert_close_to(y, expected, f"{build}, kind {kind}, {m} rows")
-                if kind != cpu_matmul.KIND_F32:
+                if kind != abi.KIND_F32:
                     y = cpu_matmul.narrow_gemm(x, weight, kind, 45, scales, zeros, group)
                     _assert_close_to(y, expected, f"{build} GEMM, kind {kind}, {m} rows")
     finally:
@@ -177,7 +178,7 @@ def test_amx_and_fma_gemms_sum_in_their_own_orders_and_both_match():
     round differently from the FMA GEMM's, and both stay within float32's error of the reference."""
     x = torch.randn(40, 600, generator=torch.Generator().manual_seed(0))
     for kind, weight, scales, zeros, group, reference in _kernel_cases(45, 600):
-        if kind == cpu_matmul.KIND_F32 or (zeros is not None and not torch.equal(zeros, zeros.round())):
+        if kind == abi.KIND_F32 or (zeros is not None and not torch.equal(zeros, zeros.round())):
             continue
         expected = x.double() @ reference.double().T
         products = {}
