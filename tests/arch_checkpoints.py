@@ -89,12 +89,13 @@ def edit_config(folder: Path, **changes) -> None:
     path.write_text(json.dumps(config))
 
 
-def transformers_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+def transformers_greedy(path: Path, prompts: list[list[int]], max_tokens: int, **load_args) -> list[dict]:
     """transformers' greedy continuation of each prompt by full forward passes, with the log-softmax of the
-    logits at every generated position: [{"tokens": [...], "logprobs": float32 [max_tokens, vocab]}]."""
+    logits at every generated position: [{"tokens": [...], "logprobs": float32 [max_tokens, vocab]}].
+    `load_args` go to from_pretrained (`gguf_file=` loads a GGUF file in `path`, dequantized)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_args).eval()
     results = []
     with torch.no_grad():
         for prompt in prompts:

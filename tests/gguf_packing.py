@@ -1,7 +1,11 @@
 """GGUF blocks written for tests: gguf-py's quantizer where it has one, blocks packed by hand as ggml lays them out
 where it has none (Q4_K, Q5_K, Q6_K: simple scale choices, any valid encoding serves, since gguf-py's dequantize is
-the oracle), and random valid blocks (random bytes with sane fp16 scales). Rows come as uint8 [N, row_bytes]."""
+the oracle), and random valid blocks (random bytes with sane fp16 scales). Rows come as uint8 [N, row_bytes].
+`with_expert_types` rewrites a GGUF file's routed experts in other types."""
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, quants
@@ -123,3 +127,25 @@ def reference(data: np.ndarray, qtype: int) -> np.ndarray:
     elif qtype == F16:
         data = data.view(np.float16)
     return np.asarray(quants.dequantize(data, GGMLQuantizationType(qtype)), dtype=np.float64)
+
+
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight$")
+
+
+def with_expert_types(source: Path, out: Path, kinds: dict[str, int]) -> Path:
+    """`source` (a GGUF file whose routed experts are F32) with its experts in `kinds` ({"gate"|"up"|"down": ggml
+    type}, others left F32), every expert's rows quantized on their own; all else, metadata included, as it is."""
+    from gguf import GGUFReader, GGUFWriter
+    from gguf.scripts.gguf_new_metadata import copy_with_new_metadata
+
+    reader = GGUFReader(str(source))
+    writer = GGUFWriter(str(out), str(reader.fields["general.architecture"].contents()))
+    for i, tensor in enumerate(reader.tensors):
+        match = _EXPERTS.match(tensor.name)
+        if match is not None and match.group(1) in kinds:
+            kind = kinds[match.group(1)]
+            experts, rows, cols = tensor.data.shape
+            data = quantize(np.asarray(tensor.data).reshape(experts * rows, cols), kind).reshape(experts, rows, -1)
+            reader.tensors[i] = tensor._replace(data=data, tensor_type=GGMLQuantizationType(kind), n_bytes=data.nbytes)
+    copy_with_new_metadata(reader, writer, {}, ())
+    return out

@@ -283,12 +283,33 @@ def _gguf_cut_by(tp: int, quant: GGUFQuantConfig, rows: dict[str, int], columns:
         problem = _mxfp4_cut_by(tp, MXFP4QuantConfig(), rows, columns)
         if problem is not None:
             return problem
-    row_parallel = [t for name, t in quant.tensor_types.items() if name.endswith(_ROW_PARALLEL)]
+    problem = _gguf_experts_cut_by(tp, quant, rows)
+    if problem is not None:
+        return problem
+    row_parallel = [t for name, t in quant.tensor_types.items()
+                    if name.endswith(_ROW_PARALLEL) and _EXPERTS_DOWN not in name]
     block = max((gguf_types.check_type(t, "").values_per_block for t in row_parallel), default=1)
     for name, size in rows.items():
         if tp > 1 and size % tp == 0 and (size // tp) % block:
             return (f"tensor_parallel_size={tp} splits {name}={size} into {size // tp} inputs per rank, which cuts "
                     f"a GGUF block of {block} values")
+    return None
+
+
+def _gguf_experts_cut_by(tp: int, quant: GGUFQuantConfig, rows: dict[str, int]) -> str | None:
+    """Routed experts kept in ggml blocks split each down projection's inputs (the expert width: Qwen3-MoE's
+    moe_intermediate_size, Llama 4's intermediate_size) across ranks: each share must hold whole blocks."""
+    width = "moe_intermediate_size" if "moe_intermediate_size" in rows else "intermediate_size"
+    size = rows.get(width)
+    if tp == 1 or size is None or size % tp:
+        return None
+    for name, qtype in quant.tensor_types.items():
+        block = gguf_types.TYPES.get(qtype)
+        if _EXPERTS_DOWN in name and block is not None and (size // tp) % block.values_per_block:
+            layer = re.search(r"layers\.(\d+)\.", name)
+            tensor = f"blk.{layer.group(1)}.ffn_down_exps.weight" if layer else name
+            return (f"tensor_parallel_size={tp} splits the inputs of GGUF tensor {tensor!r} ({block.name}, blocks of "
+                    f"{block.values_per_block} values; {width}={size}) into {size // tp} per rank, which cuts a block")
     return None
 
 
@@ -304,3 +325,4 @@ def _mxfp4_cut_by(tp: int, quant: MXFP4QuantConfig, rows: dict[str, int], column
 
 
 _ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+_EXPERTS_DOWN = ".experts.down_proj.weight"  # GGUF routed experts kept in blocks (strata.gguf.weights)

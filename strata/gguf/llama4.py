@@ -1,9 +1,10 @@
 """Llama 4 text GGUF files as llama.cpp's converter writes them (`general.architecture` llama4): the config.json of
 the Llama4ForCausalLM checkpoint they came from, and their tensors under its names. The routed experts come as gate,
-up and down tensors [E, out, in], rebuilt into the checkpoint's fused [E, H, 2I] gate_up and [E, I, H] down; strata's
-MoE runs them from float only (F32/F16/BF16 in the file), and refuses quantized ones. The file carries neither the
-attention chunk size, the NoPE layer interval nor the temperature tuning: llama.cpp builds in Llama 4's (8192,
-every 4th layer, floor 8192 and scale 0.1) and so does this module; llama3 rotary scaling comes as rope_freqs."""
+up and down tensors [E, out, in]: float ones rebuilt into the checkpoint's fused [E, H, 2I] gate_up and [E, I, H]
+down, quantized ones kept in their ggml blocks, one tensor per expert (strata/layers/quantization/gguf_experts.py runs
+them). The file carries neither the attention chunk size, the NoPE layer interval nor the temperature tuning:
+llama.cpp builds in Llama 4's (8192, every 4th layer, floor 8192 and scale 0.1) and so does this module; llama3
+rotary scaling comes as rope_freqs."""
 from __future__ import annotations
 
 import re
@@ -12,13 +13,13 @@ from typing import Any
 
 import torch
 
-from strata.errors import ConfigError, UnsupportedModelError
+from strata.errors import UnsupportedModelError
 from strata.gguf import types
 from strata.gguf.config import _eos_ids, _per_layer, _required, _rope_scaling
 from strata.gguf.families import refuse_unknown_keys, refuse_unknown_tensors
 from strata.gguf.reader import GGUFModel
 from strata.gguf.ssm import _float
-from strata.gguf.weights import GGUFTensor, _meta, _tensor, is_blocked
+from strata.gguf.weights import GGUFTensor, _meta, _tensor, expert_blocks, experts_in_blocks, is_blocked
 
 # The llama4.* keys the converter writes and this module reads; any other (a sliding window, its pattern, a second
 # rotary base) is refused by name.
@@ -42,7 +43,6 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _CONSUMED = ("rope_freqs.weight",)  # read into the config
-_FLOAT = (types.F32, types.F16, types.BF16)
 
 
 def hf_config(gguf: GGUFModel) -> dict[str, Any]:
@@ -91,18 +91,19 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def blocked_types(gguf: GGUFModel) -> dict[str, int]:
-    """{checkpoint name: ggml type} of the tensors kept in blocks: every matrix but the routed experts, which must
-    be float (strata's MoE has no kernel for ggml blocks)."""
+    """{checkpoint name: ggml type} of the tensors kept in blocks: every matrix, and the routed experts of a layer
+    whose experts the file quantized (`...feed_forward.experts.gate_proj.weight` etc.); any other type is refused
+    naming the tensor."""
     refuse_unknown_tensors(gguf, [n for n in gguf.tensors
                                   if hf_name(n) is None and not _EXPERTS.match(n) and n not in _CONSUMED])
     found = {}
     for name, entry in gguf.tensors.items():
-        if _EXPERTS.match(name):
-            if entry.ggml_type not in _FLOAT:
-                raise ConfigError(f"{gguf.paths[0]}: GGUF tensor {name!r} is {types.type_name(entry.ggml_type)}; "
-                                  "strata runs Llama 4's routed experts from F32, F16 or BF16 only (its MoE has no "
-                                  "kernel for ggml blocks). Use a file whose experts are float (e.g. llama-quantize "
-                                  "--tensor-type ffn_.*_exps=f16)", param="model")
+        match = _EXPERTS.match(name)
+        if match is not None:
+            types.check_type(entry.ggml_type, name)
+            if experts_in_blocks(gguf, name):
+                layer, proj = match.groups()
+                found[f"model.layers.{layer}.feed_forward.experts.{proj}_proj.weight"] = entry.ggml_type
             continue
         if name in _CONSUMED:
             continue
@@ -114,11 +115,19 @@ def blocked_types(gguf: GGUFModel) -> dict[str, int]:
 
 def iterate(gguf: GGUFModel, skip: Callable[[str], bool] = lambda name: False, meta: bool = False
             ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
-    """(checkpoint name, tensor) for every tensor; the routed experts as transformers' fused float tensors."""
+    """(checkpoint name, tensor) for every tensor; the routed experts as transformers' fused float tensors, or one
+    tensor in ggml blocks per expert and projection when the file quantized them."""
     for name, entry in gguf.tensors.items():
         if name in _CONSUMED:
             continue
         match = _EXPERTS.match(name)
+        if match is not None and experts_in_blocks(gguf, name):
+            layer, proj = match.groups()
+            names = [f"model.layers.{layer}.feed_forward.experts.{e}.{proj}_proj.weight" for e in range(entry.shape[0])]
+            for e, target in enumerate(names):
+                if not skip(target):
+                    yield target, expert_blocks(gguf, entry, e, meta)
+            continue
         if match is not None:
             layer, proj = match.groups()
             target = f"model.layers.{layer}.feed_forward.experts.{'down' if proj == 'down' else 'gate_up'}_proj"

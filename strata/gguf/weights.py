@@ -1,6 +1,7 @@
 """A GGUF model's tensors under the Hugging Face names strata's models load: float tensors as torch tensors,
 quantized (and half-precision matrix) tensors as their ggml blocks, rows in the checkpoint's order (llama.cpp's
-Q/K row permutation undone), stacked routed experts one float tensor per expert."""
+Q/K row permutation undone), stacked routed experts one tensor per expert (float, or in their ggml blocks when the
+file quantized them)."""
 from __future__ import annotations
 
 import re
@@ -27,7 +28,7 @@ _LAYER_NAMES = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight$")
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _FLOAT = (types.F32, types.F16, types.BF16)
 _CONSUMED = ("rope_freqs.weight",)  # read into the config (strata.gguf.config)
 _HALF = {types.F16: torch.float16, types.BF16: torch.bfloat16}
@@ -76,18 +77,31 @@ def blocked_types(gguf: GGUFModel) -> dict[str, int]:
     for name, entry in gguf.tensors.items():
         types.check_type(entry.ggml_type, name)
         if _EXPERTS.match(name):
-            _check_float_experts(gguf, name, entry)
+            if experts_in_blocks(gguf, name):
+                found[hf_name(name, arch)] = entry.ggml_type
         elif is_blocked(entry) and name not in consumed:
             found[hf_name(name, arch)] = entry.ggml_type
     return found
 
 
-def _check_float_experts(gguf: GGUFModel, name: str, entry: TensorEntry) -> None:
-    if entry.ggml_type not in _FLOAT:
-        raise ConfigError(f"{gguf.paths[0]}: GGUF tensor {name!r} is {types.type_name(entry.ggml_type)}; strata runs "
-                          "routed experts from F32, F16 or BF16 only (its MoE has no kernel for ggml blocks). Use a "
-                          "file whose experts are float (e.g. llama-quantize --tensor-type ffn_.*_exps=f16)",
-                          param="model")
+def experts_in_blocks(gguf: GGUFModel, name: str) -> bool:
+    """Whether the routed experts of tensor `name`'s layer stay in their ggml blocks: when any of the layer's three
+    stacked tensors is quantized (a float one beside it then comes as blocks of its float type too). All-float
+    experts load as float."""
+    layer = _EXPERTS.match(name).group(1)
+    names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    return any(gguf.tensors[n].ggml_type not in _FLOAT for n in names if n in gguf.tensors)
+
+
+def expert_blocks(gguf: GGUFModel, entry: TensorEntry, expert: int, meta: bool = False) -> GGUFTensor:
+    """Expert `expert` of a stacked tensor [E, out, in] as its ggml blocks [out, bytes per row]: a copy of that
+    expert's rows alone (the model keeps a rank's share of them; the file's other experts are not read)."""
+    _, rows, cols = entry.shape
+    if meta:
+        data = torch.empty(rows, types.row_bytes(entry.ggml_type, cols, entry.name), dtype=torch.uint8, device="meta")
+    else:
+        data = torch.from_numpy(np.array(gguf.raw(entry.name)[expert * rows:(expert + 1) * rows]))
+    return GGUFTensor(data, entry.ggml_type, (rows, cols))
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -130,12 +144,17 @@ def iterate_gguf(gguf: GGUFModel, skip: Callable[[str], bool] = lambda name: Fal
 
 
 def _per_expert(gguf: GGUFModel, entry: TensorEntry, target: str, skip: Callable[[str], bool], meta: bool
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A stacked float expert tensor [E, out, in] as one [out, in] tensor per expert, under the names checkpoints
-    store them by (`...experts.{e}.gate_proj.weight`), which strata's MoE loads expert by expert."""
+                ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """A stacked expert tensor [E, out, in] as one [out, in] tensor per expert, under the names checkpoints store
+    them by (`...experts.{e}.gate_proj.weight`), which strata's MoE loads expert by expert: float, or the expert's
+    ggml blocks when the layer's experts stay in blocks (experts_in_blocks)."""
     head, proj = target.removesuffix(".weight").rsplit(".", 1)
     names = [f"{head}.{e}.{proj}.weight" for e in range(entry.shape[0])]
     if all(skip(n) for n in names):
+        return
+    if experts_in_blocks(gguf, entry.name):
+        for e, n in enumerate(names):
+            yield n, expert_blocks(gguf, entry, e, meta)
         return
     stacked = None if meta else _float_values(entry, gguf.raw(entry.name))
     for e, n in enumerate(names):

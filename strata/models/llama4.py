@@ -199,8 +199,9 @@ class Llama4ForCausalLM(CausalLM):
             return
         held = sum(m.expert_bytes for m in layers)
         bf16 = sum(3 * m.num_experts * m.local_intermediate * m.hidden_size * 2 for m in layers)
-        if layers[0].quant is not None:
-            kind = f"{layers[0].quant.scheme.format} {layers[0].quant.scheme.bits}-bit"
+        quant = layers[0].quant
+        if quant is not None:
+            kind = getattr(quant, "description", None) or f"{quant.scheme.format} {quant.scheme.bits}-bit"
         else:
             kind = "experts_int8" if layers[0].quantized else str(layers[0].gate_up_proj.dtype).replace("torch.", "")
         logger.info("%s routed experts (%s): %.2f MiB on this rank, %.3fx of bfloat16 (%.2f MiB)",

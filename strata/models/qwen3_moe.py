@@ -87,6 +87,7 @@ def _experts_as_stored_by_llama4(weights: Iterable[tuple[str, torch.Tensor]]
     Released checkpoints and transformers' save_pretrained store one tensor per expert instead, which pass as
     they are."""
     for name, tensor in weights:
-        if tensor.dim() == 3 and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        # The name first: a GGUF file's tensors in ggml blocks (GGUFTensor) have no dim().
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and tensor.dim() == 3:
             tensor = tensor.transpose(1, 2)
         yield name, tensor

@@ -20,6 +20,7 @@ from arch_checkpoints import (
     transformers_greedy,
 )
 from checkpoints import CORPUS, make_llama
+from gguf_packing import with_expert_types
 from llama_cpp_gguf import convert_many
 from safetensors.torch import load_file, save_file
 
@@ -53,6 +54,7 @@ CHECKPOINTS = {
 SENTENCEPIECE = ("gemma2", "phi3")
 ARCH = {name: "llama" if name == "mistral" else name for name in CHECKPOINTS}  # general.architecture
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
 
 def write_sentencepiece(folder, vocab_size: int = VOCAB) -> None:
@@ -113,10 +115,12 @@ def test_granite_q8_0_file_gives_transformers_tokens_of_the_dequantized_checkpoi
                                 transformers_greedy(reference, PROMPTS, MAX_TOKENS))
 
 
-def test_quantized_routed_experts_are_refused_naming_the_tensor(converted):
-    """strata's MoE has no kernel for ggml blocks: a Q8_0 Qwen3-MoE file's experts are refused, not dequantized."""
-    _, path = converted["qwen3moe-q8_0"]
-    with pytest.raises(ConfigError, match=r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight.*Q8_0"):
+def test_routed_experts_of_a_type_strata_does_not_run_are_refused_naming_the_tensor(converted, tmp_path):
+    """The converter's Q8_0 experts run in their blocks (tests/gguf/test_qwen3moe_gguf.py); down experts in MXFP4,
+    a type strata runs for gpt-oss's experts alone, are refused, not dequantized."""
+    EngineConfig.create(str(converted["qwen3moe-q8_0"][1]), dtype="float32", device="cpu")
+    path = with_expert_types(converted["qwen3moe"][1], tmp_path / "mxfp4-down.gguf", {"down": MXFP4})
+    with pytest.raises(ConfigError, match=r"'blk\.0\.ffn_down_exps\.weight' has type MXFP4"):
         EngineConfig.create(str(path), dtype="float32", device="cpu")
 
 

@@ -2,8 +2,10 @@
 nor the temperature tuning's floor: llama.cpp builds in Llama 4's 8192 for both, so the oracle is transformers on
 the checkpoint with those two set to 8192 (the test checkpoint's own are 8 and 4). An F32 file gives its tokens and
 logprobs; an F16 file (matrices in F16 blocks, routed experts F16 loaded as float) gives transformers' on the
-checkpoint with every F16 tensor replaced by gguf-py's values; the converter's Q8_0 file, whose experts are in
-blocks strata's MoE cannot run, is refused naming an expert tensor and its type; so is metadata strata does not read."""
+checkpoint with every F16 tensor replaced by gguf-py's values; the converter's Q8_0 file (routed experts in Q8_0
+blocks, kept in them) gives transformers' tokens of the checkpoint with every Q8_0 tensor replaced by gguf-py's
+dequantized values. Experts in a type strata does not run are refused naming the tensor and its type; so is
+metadata strata does not read."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,7 @@ import shutil
 import pytest
 import torch
 from arch_checkpoints import assert_matches_transformers, random_prompts, strata_greedy, transformers_greedy
+from gguf_packing import with_expert_types
 from llama4_checkpoints import TEXT_CONFIG, make_llama4_text
 from llama_cpp_gguf import convert
 from safetensors.torch import load_file, save_file
@@ -21,6 +24,7 @@ from strata.gguf.config import hf_config
 from strata.gguf.reader import GGUFModel
 
 PROMPTS = random_prompts((5, 11, 40), seed=7)
+MXFP4 = 39  # ggml's type number: strata runs it for gpt-oss's experts alone
 MAX_TOKENS = 12
 LLAMA_CPP_CHUNK = LLAMA_CPP_FLOOR = 8192  # llama_model_llama4::load_arch_hparams
 # GGUF layer tensor -> the checkpoint's (the converter's Llama 4 table, written out here); experts apart.
@@ -128,11 +132,33 @@ def test_q8_0_matrices_with_float_experts_give_transformers_tokens_of_the_dequan
                                 transformers_greedy(dequantized, PROMPTS, MAX_TOKENS))
 
 
-def test_q8_0_experts_are_refused_naming_the_tensor_and_its_type(llama4, tmp_path):
+def test_q8_0_file_gives_transformers_tokens_of_its_dequantized_weights(llama4, tmp_path):
+    """The converter's Q8_0 file: every matrix, the routed experts too, in Q8_0 blocks (the router stays F32)."""
+    import gguf
+
+    reference, _ = llama4
+    path = convert(reference, tmp_path / "llama4-q8_0.gguf", "q8_0")
+    dequantized = as_llama_cpp_runs_it(reference, tmp_path / "dequantized")
+    state = load_file(str(dequantized / "model.safetensors"))
+    blocked = [t for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0]
+    assert {t.name for t in blocked if "_exps" in t.name} == {f"blk.{n}.ffn_{p}_exps.weight" for n in (1, 3)
+                                                               for p in ("gate", "up", "down")}
+    for tensor in blocked:
+        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        if tensor.name in ("token_embd.weight", "output.weight"):
+            state["model.embed_tokens.weight" if tensor.name == "token_embd.weight" else "lm_head.weight"] = values
+        else:
+            checkpoint_values(state, tensor.name, values)
+    save_file(state, str(dequantized / "model.safetensors"), metadata={"format": "pt"})
+    assert_matches_transformers(strata_greedy(path, PROMPTS, MAX_TOKENS),
+                                transformers_greedy(dequantized, PROMPTS, MAX_TOKENS))
+
+
+def test_experts_of_a_type_strata_does_not_run_are_refused_naming_the_tensor_and_its_type(llama4, tmp_path):
     from strata import LLM
 
-    path = convert(llama4[0], tmp_path / "llama4-q8_0.gguf", "q8_0")
-    with pytest.raises(ConfigError, match=r"'blk\.1\.ffn_(gate|up|down)_exps\.weight' is Q8_0.*F32, F16 or BF16"):
+    path = with_expert_types(llama4[1], tmp_path / "llama4-mxfp4-down.gguf", {"down": MXFP4})
+    with pytest.raises(ConfigError, match=r"'blk\.1\.ffn_down_exps\.weight' has type MXFP4"):
         LLM(str(path), dtype="float32", device="cpu", max_model_len=64)
 
 

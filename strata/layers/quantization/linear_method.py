@@ -19,6 +19,7 @@ from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
 from strata.layers.moe import FusedMoE
 from strata.layers.quantization.formats import Canonical, layouts, to_canonical
+from strata.layers.quantization.gguf_experts import quantize_gguf_experts
 from strata.layers.quantization.gguf_method import quantize_gguf
 from strata.layers.quantization.moe_method import quantize_experts
 from strata.layers.quantization.mxfp4 import mxfp4_experts
@@ -139,6 +140,7 @@ def quantize_linears(model: nn.Module, quant: QuantConfig | GGUFQuantConfig | MX
     if isinstance(quant, GGUFQuantConfig):
         quantize_gguf(model, quant, lambda name: checkpoint_module_names(checkpoint_prefix + name, stacked))
         quantize_gguf_mxfp4_experts(model, quant, checkpoint_prefix)
+        quantize_gguf_experts(model, quant, checkpoint_prefix)
         return
     counts = {"quantized": 0, "left as stored": 0}
     for name, module in list(model.named_modules()):
