@@ -53,7 +53,7 @@ def random_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("head_dim", [32, 128, 24, 144])  # AVX-512's 16-token tiles (multiples of 16 to 128), or not
+@pytest.mark.parametrize("head_dim", [32, 256, 24, 272])  # AVX-512's 16-token tiles (multiples of 16 to 256), or not
 def test_kernel_equals_attention_over_the_listed_keys(num_heads, num_kv_heads, block_size, head_dim):
     seq_lens = [1, 7, 16, 17, 40, 3]
     q, k_cache, v_cache, tables, lens = random_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size)
@@ -236,6 +236,40 @@ def test_capped_and_sink_layers_decode_through_the_kernel_as_the_gather_path(sof
     expected = reference(q, k_cache, v_cache, tables, lens, 0.25, 10, softcap=softcap, sinks=sinks)
     torch.testing.assert_close(fused, expected.reshape(len(seq_lens), -1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(layer._decode_gathered(q, meta), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def four_threads():
+    """Four threads whatever the machine has: few (sequence, KV head) items then leave threads for key slices."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16 cache"])
+@pytest.mark.parametrize("seq_lens,num_kv_heads,head_dim,window", [
+    ([1000], 1, 256, None),  # Gemma 3 270M's decode: one sequence, one KV head of 256 dimensions
+    ([300, 700], 1, 64, None),
+    ([900], 2, 48, 600),  # a sliding window: the slices cut the window's keys, not the context's
+    ([300, 260], 3, 32, None)])  # six (sequence, KV head) items for four threads: two slices each
+def test_key_slices_of_a_long_context_merge_to_attention_over_all_its_keys(four_threads, dtype, seq_lens,
+                                                                          num_kv_heads, head_dim, window):
+    q, k_cache, v_cache, tables, lens = random_batch(seq_lens, 4 * num_kv_heads, num_kv_heads, head_dim, 16, seed=11)
+    sinks = torch.linspace(-2.0, 3.0, 4 * num_kv_heads)
+    if dtype != "float32":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+        q = q.bfloat16() if dtype == "bfloat16" else q
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, [], 16)
+    for softcap, with_sinks in [(None, False), (2.0, True)]:
+        out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(window, None), 0.1,
+                                                   softcap=softcap, sinks=sinks if with_sinks else None)
+        expected = reference(q, k_cache, v_cache, tables, lens, 0.1, window, softcap=softcap,
+                             sinks=sinks if with_sinks else None)
+        if dtype == "bfloat16":
+            torch.testing.assert_close(out.float(), expected.bfloat16().float(), atol=1e-3, rtol=2 ** -7)
+        else:
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_block_zeroer_clears_exactly_the_given_blocks_of_every_cache():

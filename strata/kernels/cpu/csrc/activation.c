@@ -1,6 +1,6 @@
 /* SwiGLU's silu(gate) * up, and Gemma's gelu_tanh(gate) * up, on CPU (float32, or bfloat16 with float32 math
    rounded where torch rounds: after the activation and after the product): a decode step's few rows on the calling
-   thread, a prefill's many rows shared among the threads. Built on first use by strata/native.py, called from
+   thread, a prefill's many rows shared among the threads. Built on first use by kernels/cpu/build.py, called from
    strata/layers/activation.py and decode_layer.c. */
 #include <stdint.h>
 #include <string.h>

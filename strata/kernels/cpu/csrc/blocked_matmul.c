@@ -1,6 +1,6 @@
 /* Small-batch products read straight from oneDNN's packed (blocked) linear weights, so that one copy of each
    weight serves oneDNN's GEMM for large batches and this kernel for the few rows of a decode step. Built on
-   first use by strata/native.py, called from strata/layers/onednn_weights.py, which checks the layout. */
+   first use by kernels/cpu/build.py, called from strata/layers/onednn_weights.py, which checks the layout. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,5 +1,6 @@
 /* Decode attention read in place from the paged KV cache (CPU, float32 or bfloat16 with float32 math): one
-   query token per sequence. Built on first use by strata/native.py, called from strata/layers/cpu_attention.py. */
+   query token per sequence. Built on first use by strata/kernels/cpu/build.py, called through
+   strata/kernels/cpu/attention.py. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,8 +21,10 @@ static void soft_cap(float *s, int64_t n, float cap) {
 }
 
 /* Each query head's scores (n of them from `scores`) as softmax weights: soft-capped first when softcap > 0; a
-   head's sink logit (sinks, else NULL) joins its softmax as an extra column whose weight is dropped (gpt-oss). */
-static void softmax_rows(float *scores, int64_t n, int64_t num_q, float softcap, const float *sinks) {
+   head's sink logit (sinks, else NULL) joins its softmax as an extra column whose weight is dropped (gpt-oss).
+   With `stats` (else NULL), each head's largest score and its sum of exponentials go to stats[2j], stats[2j + 1]:
+   a slice of the keys, normalized on its own, that split_merge later weighs against the other slices. */
+static void softmax_rows(float *scores, int64_t n, int64_t num_q, float softcap, const float *sinks, float *stats) {
     for (int64_t j = 0; j < num_q; j++) {
         float *s = scores + j * n;
         if (softcap > 0.f) soft_cap(s, n, softcap);
@@ -32,13 +35,14 @@ static void softmax_rows(float *scores, int64_t n, int64_t num_q, float softcap,
         fast_exp_in_place(s, n);
         _Pragma("omp simd reduction(+ : total)") for (int64_t i = 0; i < n; i++) total += s[i];
         if (sinks) total += fast_exp(sinks[j] - top);
+        if (stats) stats[2 * j] = top, stats[2 * j + 1] = total;
         for (int64_t i = 0; i < n; i++) s[i] /= total;
     }
 }
 
 /* Heads of up to this many dimensions (a multiple of WIDE_LANES) take the AVX-512 or AVX2 loops below, where
    there are, written once over the vector vocabulary each defines. */
-#define WIDE_HEAD_DIM 128
+#define WIDE_HEAD_DIM 256 /* Gemma 3's heads; wider ones (none served yet) take the scalar loops */
 #define WIDE_PASS 8 /* vectors of one head's output kept in registers over the tokens: a pass of the value loop */
 #if STRATA_AVX512F
 #define WIDE_ATTENTION 1
@@ -110,7 +114,7 @@ static inline wide_t wide_sum(const wide_t v[8]) {
     static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t lo,     \
                      int64_t hi, int64_t num_kv, int64_t group, int64_t head_dim, int64_t block_size,          \
                      int64_t block_stride, int64_t token_stride, float scale, float softcap,                  \
-                     const float *sinks, float *scores, float *out) {                                         \
+                     const float *sinks, float *scores, float *out, float *stats) {                           \
         const int64_t n = hi - lo, num_q = num_kv * group;                                                    \
         const int wide = WIDE_ATTENTION && head_dim % WIDE_LANES == 0 && head_dim <= WIDE_HEAD_DIM;           \
         if (wide)                                                                                             \
@@ -128,7 +132,7 @@ static inline wide_t wide_sum(const wide_t v[8]) {
                     scores[j * n + t - lo] = scale * acc;                                                     \
                 }                                                                                             \
             }                                                                                                 \
-        softmax_rows(scores, n, num_q, softcap, sinks);                                                       \
+        softmax_rows(scores, n, num_q, softcap, sinks, stats);                                                \
         if (wide) {                                                                                           \
             NAME##_values(v_cache, table, lo, hi, num_q, group, head_dim, block_size, block_stride,           \
                           token_stride, scores, out);                                                         \
@@ -218,11 +222,58 @@ DEFINE_WIDE(attend_bf16, bf16, wide_load_bf16)
 DEFINE_ATTEND(attend_f32, float, LOAD_F32)
 DEFINE_ATTEND(attend_bf16, bf16, bf16_to_f32)
 
+/* How many slices of their keys the sequences' attention is cut into: one, unless there are fewer work items
+   (sequence, KV heads) than twice the threads, as in batch-1 decode of a model with one or two KV heads (Gemma 3
+   270M: one), where the other threads would idle through the whole attention. A slice keeps at least
+   MIN_SPLIT_KEYS keys, so that short contexts, where the merge would cost what it saves, take one. */
+#define MIN_SPLIT_KEYS 128
+#define MAX_SPLITS 16
+static int64_t key_splits(int64_t items, const int32_t *first_keys, const int32_t *seq_lens, int64_t num_seqs,
+                          int num_threads) {
+    if (items >= 2 * num_threads) return 1;
+    int64_t fewest = seq_lens[0] - first_keys[0];
+    for (int64_t s = 1; s < num_seqs; s++)
+        fewest = seq_lens[s] - first_keys[s] < fewest ? seq_lens[s] - first_keys[s] : fewest;
+    int64_t splits = (2 * num_threads + items - 1) / items;
+    splits = splits > fewest / MIN_SPLIT_KEYS ? fewest / MIN_SPLIT_KEYS : splits;
+    return splits > MAX_SPLITS ? MAX_SPLITS : splits < 1 ? 1 : splits;
+}
+
+/* Query head j of sequence s from its key slices: each slice's output was normalized by its own sum of
+   exponentials (relative to its own top score); weighing each by that sum at the common top gives the softmax over
+   all the keys (and the head's sink logit, if any, joins the denominator here). */
+static void split_merge(const float *partial, const float *stats, int64_t s, int64_t j, int64_t splits,
+                        int64_t num_heads, int64_t head_dim, const float *sinks, int is_bf16, void *out) {
+    float top = -INFINITY, weight[MAX_SPLITS], total = 0.f;
+    for (int64_t p = 0; p < splits; p++) {
+        const float slice_top = stats[2 * ((s * splits + p) * num_heads + j)];
+        top = slice_top > top ? slice_top : top;
+    }
+    if (sinks && sinks[j] > top) top = sinks[j];
+    for (int64_t p = 0; p < splits; p++) {
+        const float *st = stats + 2 * ((s * splits + p) * num_heads + j);
+        weight[p] = st[1] * expf(st[0] - top);
+        total += weight[p];
+    }
+    if (sinks) total += expf(sinks[j] - top);
+    for (int64_t d = 0; d < head_dim; d++) {
+        float sum = 0.f;
+        for (int64_t p = 0; p < splits; p++)
+            sum += weight[p] * partial[((s * splits + p) * num_heads + j) * head_dim + d];
+        const int64_t at = (s * num_heads + j) * head_dim + d;
+        if (is_bf16)
+            ((bf16 *)out)[at] = f32_to_bf16(sum / total);
+        else
+            ((float *)out)[at] = sum / total;
+    }
+}
+
 /* q, out: [num_seqs, num_heads, head_dim]; caches: [blocks, block_size, num_kv_heads, head_dim]. `mode` says the
    dtypes: 0, all float32; 1, all bfloat16; 2, bfloat16 caches with float32 q, out and new keys and values (a float32
-   model's cache under kv_cache_dtype=bfloat16: the new rows are rounded as torch rounds them on a cache write). block_tables: [num_seqs, max_blocks]; sequence s attends keys
-   first_keys[s] .. seq_lens[s] - 1. Work items are (sequence, slice of KV heads): whole sequences when there
-   are enough of them to share among the threads, thinner slices for small batches.
+   model's cache under kv_cache_dtype=bfloat16: the new rows are rounded as torch rounds them on a cache write).
+   block_tables: [num_seqs, max_blocks]; sequence s attends keys first_keys[s] .. seq_lens[s] - 1. Work items are
+   (sequence, slice of KV heads): whole sequences when there are enough of them to share among the threads, thinner
+   slices for small batches, and slices of the keys too when even that leaves threads idle (key_splits).
    With new_k / new_v (else NULL), the step's keys and values (num_seqs rows of num_kv_heads * head_dim values,
    rows `new_stride` elements apart) are first written to the cache at `slots`, so that a decode step's write
    and read are one call. softcap > 0 (else 0) soft-caps the scores; sinks (else NULL): float32 [num_heads], one
@@ -253,16 +304,25 @@ int scored_decode_attention(const void *q, void *k_cache, void *v_cache, const i
     slices = slices > num_kv_heads ? num_kv_heads : slices;
     const int64_t per_slice = (num_kv_heads + slices - 1) / slices;
     slices = (num_kv_heads + per_slice - 1) / per_slice;
+    const int64_t splits = key_splits(num_seqs * slices, first_keys, seq_lens, num_seqs, num_threads);
+    float *partial = NULL; /* splits > 1: each split's float32 output [num_seqs, splits, num_heads, head_dim] */
+    if (splits > 1) {
+        partial = malloc(sizeof(float) * (size_t)(num_seqs * splits * num_heads * (head_dim + 2)));
+        if (partial == NULL) return -1;
+    }
+    /* then each split's (top score, sum of exponentials) of every head */
+    float *stats = partial ? partial + num_seqs * splits * num_heads * head_dim : NULL;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t capacity = 0;
         float *scratch = NULL; /* scores, then (bfloat16 only) q and out in float32 */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_seqs * slices; item++) {
-            const int64_t s = item / slices, h0 = item % slices * per_slice;
+        for (int64_t item = 0; item < num_seqs * slices * splits; item++) {
+            const int64_t s = item / (slices * splits), h0 = item / splits % slices * per_slice, part = item % splits;
             const int64_t num_kv = h0 + per_slice > num_kv_heads ? num_kv_heads - h0 : per_slice;
-            const int64_t lo = first_keys[s], hi = seq_lens[s], width = num_kv * group * head_dim;
+            const int64_t first = first_keys[s], keys = seq_lens[s] - first, width = num_kv * group * head_dim;
+            const int64_t lo = first + keys * part / splits, hi = first + keys * (part + 1) / splits;
             const int64_t need = num_kv * group * (hi - lo) + (is_bf16 ? 2 * width : 0);
             if (need > capacity) {
                 free(scratch);
@@ -276,28 +336,41 @@ int scored_decode_attention(const void *q, void *k_cache, void *v_cache, const i
                 }
             }
             const int64_t head = (s * num_heads + h0 * group) * head_dim, kv = h0 * head_dim;
+            const int64_t row = (s * splits + part) * num_heads + h0 * group;
+            float *split_out = partial ? partial + row * head_dim : NULL;
+            float *split_stats = partial ? stats + 2 * row : NULL;
             const int32_t *table = block_tables + s * max_blocks;
-            const float *head_sinks = sinks ? sinks + h0 * group : NULL;
-            if (mode == 2) {
-                attend_bf16((const float *)q + head, (const bf16 *)k_cache + kv, (const bf16 *)v_cache + kv, table,
-                            lo, hi, num_kv, group, head_dim, block_size, block_stride, token_stride, scale, softcap,
-                            head_sinks, scratch, (float *)out + head);
+            /* a split sequence's sinks join at the merge */
+            const float *head_sinks = sinks && !partial ? sinks + h0 * group : NULL;
+            if (!is_bf16) {
+                float *dest = split_out ? split_out : (float *)out + head;
+                if (bf16_cache)
+                    attend_bf16((const float *)q + head, (const bf16 *)k_cache + kv, (const bf16 *)v_cache + kv,
+                                table, lo, hi, num_kv, group, head_dim, block_size, block_stride, token_stride, scale,
+                                softcap, head_sinks, scratch, dest, split_stats);
+                else
+                    attend_f32((const float *)q + head, (const float *)k_cache + kv, (const float *)v_cache + kv,
+                               table, lo, hi, num_kv, group, head_dim, block_size, block_stride, token_stride, scale,
+                               softcap, head_sinks, scratch, dest, split_stats);
                 continue;
             }
-            if (!bf16_cache) {
-                attend_f32((const float *)q + head, (const float *)k_cache + kv, (const float *)v_cache + kv, table,
-                           lo, hi, num_kv, group, head_dim, block_size, block_stride, token_stride, scale, softcap,
-                           head_sinks, scratch, (float *)out + head);
-                continue;
-            }
-            float *q32 = scratch + (need - 2 * width), *out32 = q32 + width;
+            float *q32 = scratch + (need - 2 * width), *out32 = split_out ? split_out : q32 + width;
             for (int64_t i = 0; i < width; i++) q32[i] = bf16_to_f32(((const bf16 *)q)[head + i]);
             attend_bf16(q32, (const bf16 *)k_cache + kv, (const bf16 *)v_cache + kv, table, lo, hi, num_kv, group,
-                        head_dim, block_size, block_stride, token_stride, scale, softcap, head_sinks, scratch, out32);
-            for (int64_t i = 0; i < width; i++) ((bf16 *)out)[head + i] = f32_to_bf16(out32[i]);
+                        head_dim, block_size, block_stride, token_stride, scale, softcap, head_sinks, scratch, out32,
+                        split_stats);
+            if (!split_out)
+                for (int64_t i = 0; i < width; i++) ((bf16 *)out)[head + i] = f32_to_bf16(out32[i]);
         }
         free(scratch);
+        if (partial) { /* the omp for above ended on a barrier: every split is in */
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < num_seqs * num_heads; row++)
+                split_merge(partial, stats, row / num_heads, row % num_heads, splits, num_heads, head_dim, sinks,
+                            is_bf16, out);
+        }
     }
+    free(partial);
     return failed ? -1 : 0;
 }
 

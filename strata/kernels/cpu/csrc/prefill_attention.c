@@ -1,8 +1,8 @@
 /* Causal attention of a prompt chunk on CPU (float32), flash style: each task takes one query head's block of
    queries through the keys in blocks, keeping a running maximum and sum per query (an online softmax), so that no
    score matrix is stored and no block past a query block's last key is computed (SDPA's CPU kernel computes whole
-   512-key blocks, twice a 512-token prompt's causal work). Built on first use by strata/native.py, called from
-   strata/layers/cpu_attention.py; AVX2/FMA or AVX-512 only, elsewhere SDPA serves. */
+   512-key blocks, twice a 512-token prompt's causal work). Built on first use by kernels/cpu/build.py, called from
+   kernels/cpu/attention.py; AVX2/FMA or AVX-512 only, elsewhere SDPA serves. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

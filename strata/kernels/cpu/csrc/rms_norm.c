@@ -1,6 +1,6 @@
 /* RMSNorm on CPU, with the residual add fused in (float32, or bfloat16 with float32 math rounded where torch
    rounds): a decode step's few rows on the calling thread, a prefill's many rows shared among the threads. Built on
-   first use by strata/native.py, called from strata/layers/norm.py and decode_layer.c. */
+   first use by kernels/cpu/build.py, called from strata/layers/norm.py and decode_layer.c. */
 #include <math.h>
 #include <stdint.h>
 

@@ -1,6 +1,6 @@
 /* Rotary embedding of query and key heads on CPU, in place (half-split "neox" style; float32, or bfloat16 with every
    product and sum rounded as torch rounds them): a decode step's few tokens on the calling thread, a prefill's many
-   shared among the threads. Built on first use by strata/native.py, called from strata/layers/rotary.py with the
+   shared among the threads. Built on first use by kernels/cpu/build.py, called from strata/layers/rotary.py with the
    step's cos/sin tables, which torch computes once per step. */
 #include <stdint.h>
 

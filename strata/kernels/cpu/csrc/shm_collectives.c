@@ -1,5 +1,5 @@
 /* TP all-reduce and all-gather, and the PP hand-off between stages, among ranks of one machine through
-   shared memory segments. Built on first use by strata/native.py, called from
+   shared memory segments. Built on first use by kernels/cpu/build.py, called from
    strata/executor/shm_collectives.py.
 
    Collective segment: a header of one 64-byte line per rank holding the number of the last operation whose data that

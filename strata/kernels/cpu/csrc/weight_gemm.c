@@ -3,7 +3,7 @@
    256 values of K of its outputs into float32 once, as panels of 16 outputs in cache, and a 6 x 16 register-blocked
    kernel multiplies every row of x by them (gemm_panels.h packs both), so the widening costs one pass over the
    weight per product (the tiles this replaced were dequantized, then repacked by oneDNN, on every call). Built on
-   first use by strata/native.py; AVX2/FMA, plain C otherwise; on CPUs with AMX, gemm_amx.h's tiles for the kinds
+   first use by kernels/cpu/build.py; AVX2/FMA, plain C otherwise; on CPUs with AMX, gemm_amx.h's tiles for the kinds
    they read, where measured faster (set_gemm_engine). */
 #include <math.h>
 #include <stdint.h>

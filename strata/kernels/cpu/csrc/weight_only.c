@@ -1,7 +1,7 @@
 /* Small-batch linear products read straight from float32, bfloat16, FP8 (e4m3), int8 or int4 weights (strata's
    packed layout, strata/layers/quantization/weight_only.py); weight_gemm.c has the GEMM of larger batches.
    MXFP4 blocks (mxfp4.h) and GGUF blocks (gguf_matmul.h) have kernels of their own.
-   Built on first use by strata/native.py; AVX-512 VNNI (weight_only_vnni.h), AVX-512 (weight_only_avx512.h) or
+   Built on first use by kernels/cpu/build.py; AVX-512 VNNI (weight_only_vnni.h), AVX-512 (weight_only_avx512.h) or
    AVX2/FMA when the machine has it, plain C otherwise. */
 #include <math.h>
 #include <stdint.h>
