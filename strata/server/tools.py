@@ -72,10 +72,13 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise RequestError(f"tools[{i}].function.name must be a non-empty string", param="tools")
-        if name in found:
-            raise RequestError(f"tools[{i}]: the function name {name!r} is given twice", param="tools")
         schema = function.get("parameters")
-        found[name] = _NO_ARGUMENTS if schema in (None, {}) else load_schema(schema, f"tools[{i}].function.parameters")
+        schema = _NO_ARGUMENTS if schema in (None, {}) else load_schema(schema, f"tools[{i}].function.parameters")
+        # The same function listed twice is harmless; one name with two parameter schemas leaves a call ambiguous.
+        if found.get(name, schema) != schema:
+            raise RequestError(f"tools[{i}]: the function name {name!r} is given twice with different parameters",
+                               param="tools")
+        found[name] = schema
     return found
 
 

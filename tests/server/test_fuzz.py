@@ -101,6 +101,25 @@ def test_requests_the_server_refuses_are_outside_its_schema(app, path, component
     assert response.status_code == 400, response.text
 
 
+# What a plain `st run --checks all --seed 7 --max-examples 100` (no hooks) found next, as ST202: one function
+# listed twice, schema-valid and now served.
+ST202_SEED_7_PLAIN = [
+    ("/v1/chat/completions", "ChatCompletionRequest",
+     {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "none", "max_tokens": 1, "logprobs": True,
+      "tools": [{"function": {"name": "0"}}, {"": [None], "function": {"\u00d5": {}, "name": "0"}}]}),
+    ("/invocations", "ChatCompletionRequest",
+     {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "none", "max_tokens": 1,
+      "tools": [{"": None, "function": {"name": "0"}}, {"function": {"": None, "name": "0"}}]}),
+]
+
+
+@pytest.mark.parametrize(("path", "component", "body"), ST202_SEED_7_PLAIN, ids=[p for p, _, _ in ST202_SEED_7_PLAIN])
+def test_schema_valid_requests_a_plain_run_found_refused_are_served(app, path, component, body):
+    assert _body_validator(app, component).is_valid(body)
+    response = TestClient(app).post(path, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 200, response.text
+
+
 def test_the_schema_admits_the_roles_the_chat_template_renders_and_the_server_no_other(app):
     validator, client = _body_validator(app, "TokenizeRequest"), TestClient(app)
     for role, expected in (("system", 200), ("user", 200), ("assistant", 200), ("tool", 400), ("x", 400)):
