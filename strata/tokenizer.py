@@ -16,11 +16,18 @@ _CONTEXT_TOKENS = 5
 
 def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
     """The tokenizer of a checkpoint folder, or the one a GGUF file describes in its `tokenizer.ggml.*` metadata
-    (its vocabulary, merges or scores, special tokens and chat template), rebuilt by transformers."""
+    (its vocabulary, merges or scores, special tokens and chat template), rebuilt by transformers; PLaMo2's
+    (tokenizer.jsonl, or a `plamo2` GGUF vocabulary) is strata's own, which needs no remote code."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from strata import plamo2_tokenizer
+
     if gguf_file is not None:
-        _refuse_unbuildable_gguf_tokenizer(gguf_file)
+        metadata = _refuse_unbuildable_gguf_tokenizer(gguf_file)
+        if metadata.get("tokenizer.ggml.model") == "plamo2":
+            return plamo2_tokenizer.plamo2_tokenizer_from_gguf(metadata)
+    elif plamo2_tokenizer.is_plamo2_tokenizer_folder(Path(path)):
+        return plamo2_tokenizer.load_plamo2_tokenizer(Path(path))
     try:
         if gguf_file is not None:
             gguf = Path(gguf_file)
@@ -40,19 +47,23 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
                           "--tokenizer", param="model") from e
 
 
-def _refuse_unbuildable_gguf_tokenizer(gguf_file: str) -> None:
+def _refuse_unbuildable_gguf_tokenizer(gguf_file: str) -> dict[str, Any]:
+    """The file's metadata, once it is known to describe a tokenizer strata can build."""
     from strata.gguf.reader import read_metadata
     from strata.gguf.vocab import tokenizer_problem
 
-    problem = tokenizer_problem(read_metadata(gguf_file))
+    metadata = read_metadata(gguf_file)
+    problem = tokenizer_problem(metadata)
     if problem:
         raise ConfigError(f"cannot build the tokenizer of {gguf_file!r}: {problem}. Pass the model's tokenizer folder "
                           "or Hub ID with --tokenizer (tokenizer=...)", param="tokenizer")
+    return metadata
 
 
 # The files one of which holds a tokenizer's vocabulary (tokenizer_config.json alone only configures one): the
-# fast tokenizer's file, a SentencePiece model, a byte-level BPE's pair, a WordPiece list.
-_VOCABULARIES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
+# fast tokenizer's file, a SentencePiece model, a byte-level BPE's pair, a WordPiece list, PLaMo's pieces.
+_VOCABULARIES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",),
+                 ("tokenizer.jsonl",))
 
 
 def _missing_vocabulary(folder: Path) -> str | None:

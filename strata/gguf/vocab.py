@@ -21,9 +21,11 @@ def tokenizer_problem(metadata: Mapping[str, Any]) -> str | None:
     model = metadata.get("tokenizer.ggml.model")
     if model is None or not metadata.get("tokenizer.ggml.tokens"):
         return "the file carries no tokenizer (no tokenizer.ggml.model or tokenizer.ggml.tokens)"
+    if model == "plamo2":
+        return _plamo2_problem(metadata)
     if model not in GGUF_TOKENIZER_TYPES:
         return (f"strata cannot build its tokenizer model {model!r} (tokenizer.ggml.model); it builds "
-                f"{', '.join(sorted(GGUF_TOKENIZER_TYPES))}")
+                f"{', '.join(sorted([*GGUF_TOKENIZER_TYPES, 'plamo2']))}")
     has_merges, has_scores = bool(metadata.get("tokenizer.ggml.merges")), bool(metadata.get("tokenizer.ggml.scores"))
     if model in _MERGES_ONLY and not has_merges:
         return (f"its {model!r} (byte-level BPE) tokenizer has no merges (tokenizer.ggml.merges), without which "
@@ -35,3 +37,16 @@ def tokenizer_problem(metadata: Mapping[str, Any]) -> str | None:
     if model in _SCORES_ONLY and not has_scores:
         return f"its {model!r} (Unigram) tokenizer has no token scores (tokenizer.ggml.scores)"
     return None
+
+
+def _plamo2_problem(metadata: Mapping[str, Any]) -> str | None:
+    """PLaMo2's tokenizer (strata's own, as llama.cpp's) writes characters outside its vocabulary as byte tokens: it
+    needs all 256, and llama.cpp refuses the file without them."""
+    from strata.plamo2_tokenizer import PlamoVocab, describe_missing_bytes, missing_byte_tokens
+
+    missing = missing_byte_tokens(PlamoVocab.from_gguf(metadata))
+    if not missing:
+        return None
+    return (f"its 'plamo2' vocabulary lacks the byte tokens {describe_missing_bytes(missing)} (pieces `<0xNN>` of "
+            "type BYTE in tokenizer.ggml.tokens / tokenizer.ggml.token_type), which its tokenizer writes characters "
+            "outside the vocabulary with")
