@@ -43,3 +43,39 @@ def test_freed_host_tensors_are_reused_instead_of_faulted_in_again():
     # in every fresh process, where this machine shows under 500: the bound is half of one round's faults,
     # which any return of the memory to the kernel goes far past.
     assert faults_of_measured_round("keep") < 14_000
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _huge_kib_of(start: int, end: int) -> int:
+    """AnonHugePages of the mappings overlapping [start, end) (smaps: one block of fields per mapping)."""
+    total, overlaps = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            overlaps = lo < end and start < hi
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_large_weight_buffer_is_zeroed_2mib_aligned_and_on_huge_pages_where_the_kernel_grants_them():
+    import torch
+
+    from strata.host_memory import huge_page_zeros
+
+    small = huge_page_zeros(64, 1000)
+    assert small.shape == (64, 1000) and small.dtype == torch.uint8 and not small.any()
+    large = huge_page_zeros(16384, 1024)  # 16 MiB
+    assert large.shape == (16384, 1024) and large.is_contiguous() and not large.any()
+    assert large.data_ptr() % (2 << 20) == 0
+    if _thp_mode() not in ("madvise", "always"):
+        pytest.skip("transparent huge pages are off on this machine")
+    assert _huge_kib_of(large.data_ptr(), large.data_ptr() + large.nbytes) >= 8 << 10  # at least half of it

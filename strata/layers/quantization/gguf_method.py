@@ -13,6 +13,7 @@ from torch import nn
 from strata.config.quant_config import GGUFQuantConfig
 from strata.gguf import types
 from strata.gguf.weights import GGUFTensor
+from strata.host_memory import huge_page_zeros
 from strata.kernels.cpu import crossovers
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
@@ -66,7 +67,7 @@ class GGUFMethod:
         pieces = sorted(self.loaded, key=lambda p: p.offset)
         if len({p.ggml_type for p in pieces}) == 1:
             kind = pieces[0].ggml_type
-            data = torch.zeros(self.n, types.row_bytes(kind, self.k), dtype=torch.uint8)
+            data = huge_page_zeros(self.n, types.row_bytes(kind, self.k))
             for p in pieces:
                 data[p.offset:p.offset + p.rows] = p.data
             pieces = [BlockWeight(0, data, kind)]
