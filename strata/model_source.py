@@ -14,7 +14,8 @@ from strata.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.jsonl")  # PLaMo2's vocabulary
 # What strata reads of a checkpoint besides its weights (preprocessor_config.json: Llama 4's image tiling).
 CHECKPOINT_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES, "preprocessor_config.json")
 SAFETENSORS_INDEX = "model.safetensors.index.json"

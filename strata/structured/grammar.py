@@ -64,7 +64,12 @@ class GrammarCompiler:
     @staticmethod
     def _make_compiler(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> xgr.GrammarCompiler:
         xgr = _xgrammar()
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        if hasattr(tokenizer, "token_bytes"):  # strata's own tokenizers (PLaMo2), which xgrammar does not know
+            info = xgr.TokenizerInfo(tokenizer.token_bytes, xgr.VocabType.RAW, vocab_size=vocab_size,
+                                     stop_token_ids=stop_token_ids, add_prefix_space=False)
+        else:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=stop_token_ids)
         return xgr.GrammarCompiler(info, max_threads=2)
 
     def submit(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:

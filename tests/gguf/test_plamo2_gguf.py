@@ -2,7 +2,7 @@
 converter reads): an F32 file gives the tokens and logprobs mlx-lm gives the checkpoint it came from; a Q8_0 file
 (linear layers, embedding and head in blocks) gives mlx-lm's on the checkpoint with those weights replaced by gguf-py's
 dequantized values; the converter's norm offsets, A = -exp(A_log) and squeezed conv come back as the checkpoint's
-tensors; metadata strata does not read and the `plamo2` tokenizer model (which strata cannot build) are refused."""
+tensors; metadata strata does not read is refused; the file's own `plamo2` tokenizer serves prompt strings."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from strata import LLM, SamplingParams
 from strata.config import HFConfig
-from strata.errors import ConfigError, UnsupportedModelError
+from strata.errors import UnsupportedModelError
 from strata.gguf.config import hf_config
 from strata.gguf.reader import GGUFModel
 from strata.gguf.weights import iterate_gguf
@@ -157,11 +157,19 @@ def test_metadata_strata_does_not_read_is_refused_by_name(plamo2):
         hf_config(gguf)
 
 
-def test_plamo2_tokenizer_model_is_refused_by_name_unless_a_tokenizer_is_given(plamo2):
-    _, path, _ = plamo2
+def test_file_serves_a_prompt_string_through_its_own_plamo2_tokenizer(plamo2):
+    """No --tokenizer: the text is segmented by the file's vocabulary ("the" scores -3 and " cat" -6, better than
+    any split into shorter pieces or bytes), and generation goes on as from the same ids given directly."""
+    _, path, tokenizer = plamo2
     assert GGUFModel([path]).metadata["tokenizer.ggml.model"] == "plamo2"
-    with pytest.raises(ConfigError, match=r"tokenizer model 'plamo2' \(tokenizer\.ggml\.model\).*--tokenizer"):
-        LLM(str(path), dtype="float32", device="cpu", max_model_len=64)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate("the cat", params, use_tqdm=False)[0]
+    first_word = len(SPECIALS) + 256
+    assert out.prompt_token_ids == [first_word + WORDS.index("the"), first_word + WORDS.index(" cat")]
+    by_ids = LLM(str(path), tokenizer=str(tokenizer), dtype="float32", device="cpu", max_model_len=64)
+    expected = by_ids.generate({"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
 
 
 @pytest.mark.slow
