@@ -6,6 +6,7 @@ import logging
 import sys
 
 from strata import __version__
+from strata.bench.embed import add_embed_args
 from strata.bench.kernels import add_kernels_args
 from strata.bench.latency import add_latency_args
 from strata.bench.perplexity import add_perplexity_args
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernels_args(bench.add_parser("kernels", help="CPU kernel choices measured here (--recalibrate)"))
     add_speculative_args(bench.add_parser("speculative", help="tokens/s with and without speculative decoding on an "
                                                               "input-grounded workload from Python's own source"))
+    add_embed_args(bench.add_parser("embed", help="sentences/s of an embedding model (vs sentence-transformers)"))
     bench_serve = bench.add_parser("serve", help="online serving benchmark against any OpenAI-compatible server")
     _add_bench_serve_args(bench_serve)
 
@@ -125,6 +127,10 @@ def _run(args: argparse.Namespace) -> int:
         from strata.bench.speculative import run_speculative
 
         return run_speculative(args)
+    if args.verb == "bench" and args.bench == "embed":
+        from strata.bench.embed import run_embed
+
+        return run_embed(args)
     if args.verb == "bench" and args.bench == "serve":
         from strata.bench.serve import run_bench_serve
 

@@ -12,9 +12,11 @@ from tqdm.auto import tqdm
 from strata.config import EngineConfig
 from strata.config.engine_args import EngineArgs
 from strata.engine.engine import Engine, PromptInput
+from strata.engine.pooling_engine import PoolingEngine
 from strata.engine.request import ProcessedPrompt
+from strata.errors import RequestError
 from strata.executor.spawn_guard import refuse_engine_in_spawn_bootstrap
-from strata.outputs import RequestOutput
+from strata.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import chat_template_keywords, read_chat_template
 
@@ -34,17 +36,35 @@ class LLM:
                                         chat_template=read_chat_template(chat_template))
         if config.parallel.world_size > 1:  # before seconds of tokenizer loading in a worker that re-ran a script
             refuse_engine_in_spawn_bootstrap()
-        self.engine = Engine(config)
+        self.runner = config.runner
+        self.engine = PoolingEngine(config) if config.runner == "pooling" else Engine(config)
         self.media_options = {"allowed_local_media_path": allowed_local_media_path,
                               "allow_remote_media": allow_remote_media}
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
-        return self.engine.input.tokenizer
+        return self.engine.tokenizer if self.runner == "pooling" else self.engine.input.tokenizer
+
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], *, truncate_prompt_tokens: int | None = None,
+              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), pooled as the checkpoint's sentence-transformers config
+        says; `dimensions` truncates (Matryoshka models only), `truncate_prompt_tokens` cuts long inputs."""
+        if self.runner != "pooling":
+            raise RequestError("LLM.embed needs an embedding model: this one generates text. Load an encoder "
+                               "(e.g. BertModel) with runner='pooling'; converting a generative model "
+                               "(convert='embed') is not supported yet", param="runner")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        result = self.engine.embed(list(prompts), truncate_prompt_tokens, dimensions)
+        return [EmbeddingRequestOutput(str(next(self._ids)), ids, EmbeddingOutput(vector.tolist()))
+                for ids, vector in zip(result.prompt_token_ids, result.embeddings, strict=True)]
 
     def generate(self, prompts: PromptInput | ProcessedPrompt | Sequence[PromptInput | ProcessedPrompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        if self.runner == "pooling":
+            raise RequestError("this model is an embedding model (runner='pooling'): call LLM.embed(...) instead "
+                               "of generate / chat", param="runner")
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -88,6 +108,8 @@ class LLM:
         """`tools`: OpenAI function tools, handed to the chat template (`tools=` of apply_chat_template).
         `chat_template_kwargs`: more keywords for the template (e.g. {"enable_thinking": False}).
         `continue_final_message`: the last (assistant) message is continued instead of a new one started."""
+        if self.runner == "pooling":
+            return self.generate([], sampling_params)  # refused there, naming LLM.embed
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = read_chat_template(chat_template)
         add_generation_prompt, template_kwargs = chat_template_keywords(

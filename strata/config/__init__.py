@@ -15,6 +15,7 @@ from strata.config import model_registry as registry
 from strata.config.engine_args import KERNELS, KV_CACHE_DTYPES, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
 from strata.config.hf_config import HFConfig, read_config_json
 from strata.config.layout_rules import check_nodes, check_pp
+from strata.config.pooling_config import resolve_runner
 from strata.config.quant_config import GGUFQuantConfig, QuantConfig, parse_quant_config
 from strata.config.speculative_config import SpeculativeConfig, check_target, parse_speculative_config
 from strata.config.tp_rules import check_quant_tp, check_tp, check_vision_tp, num_routed_experts
@@ -263,6 +264,7 @@ class EngineConfig:
     kernels: str = "torch"  # resolved: "torch" or "triton"
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding, when asked for
+    runner: str = "generate"  # "generate", or "pooling" (embeddings; strata.engine.pooling_engine)
 
     @classmethod
     def create(cls, model: str, *, served_model_name: str | list[str] | None = None,
@@ -304,9 +306,10 @@ class EngineConfig:
         speculative = parse_speculative_config(args.speculative_config)
         if speculative is not None:
             check_target(speculative, _architecture_name(model_config), hybrid, model_config.max_model_len)
+        runner = resolve_runner(args.runner, args.convert, model_config.architecture, model_config.info.is_encoder)
         config = cls(model_config, parallel, cache, scheduler, args.device, args.seed, names, chat_template,
                      kernels_for_model(args.kernels, resolve_kernels(args.kernels, args.device),
-                                       model_config.text_config), structured, speculative)
+                                       model_config.text_config), structured, speculative, runner)
         validate_parallel(config)
         return config
 

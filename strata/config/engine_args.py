@@ -16,6 +16,8 @@ SSM_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16")  # vLLM's names; its fp8 kinds are refused
 QUANTIZATIONS = ("experts_int8", "compressed-tensors", "gptq", "awq", "fp8", "gguf")
 KERNELS = ("auto", "torch", "triton")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
+CONVERTS = ("none", "embed")  # vLLM's --convert (embed: refused for now)
 
 
 def int_list(value: str) -> tuple[int, ...]:
@@ -109,6 +111,10 @@ class EngineArgs:
         None, "the model's thinking format (qwen3, deepseek_r1, openai_gptoss): chat responses carry the thinking in "
               "reasoning_content, and structured outputs constrain only the answer after it",
         choices=REASONING_PARSERS)
+    runner: str = _option("auto", "generate (completions, chat) or pooling (/v1/embeddings, LLM.embed); auto: pooling "
+                                  "for encoder architectures (BertModel), else generate", choices=RUNNERS)
+    convert: str = _option("none", "turn a generative checkpoint into a pooling model (vLLM's --convert embed; not "
+                                   "supported yet)", choices=CONVERTS)
     speculative_config: dict[str, Any] | None = _option(
         None, 'speculative decoding as a JSON object (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "suffix"}', parse=json_object)

@@ -24,6 +24,7 @@ class ModelInfo:
     is_multimodal: bool = False
     # For multimodal checkpoints: the architecture of the language sub-model, whose capabilities count.
     text_architecture: str | None = None
+    is_encoder: bool = False  # bidirectional, no KV cache: served by the pooling runner (embeddings)
 
     def load_class(self) -> type:
         return getattr(importlib.import_module(self.module), self.class_name)
@@ -48,6 +49,7 @@ _MODELS: dict[str, ModelInfo] = {
                                                 text_architecture="Gemma3ForCausalLM"),
     "GptOssForCausalLM": ModelInfo("strata.models.gpt_oss", "GptOssForCausalLM"),
     "Plamo2ForCausalLM": ModelInfo("strata.models.plamo2", "Plamo2ForCausalLM", is_hybrid=True),
+    "BertModel": ModelInfo("strata.models.bert", "BertModel", supports_pp=False, is_encoder=True),
 }
 
 

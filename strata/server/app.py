@@ -203,6 +203,13 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
             is_chat = False  # the completions parser reports what is wrong with the body
         return await (create_chat_completion if is_chat else create_completion)(request)
 
+    @v1.post("/embeddings", include_in_schema=False)
+    async def embeddings() -> Response:
+        raise RequestError("/v1/embeddings needs an embedding model: this server runs a generative model. Serve an "
+                           "encoder checkpoint (e.g. BertModel) with `strata serve MODEL --runner pooling`; turning "
+                           "a generative model into an embedder (--convert embed) is not supported yet",
+                           param="model")
+
     app.include_router(v1)
     _add_plain_routes(app, engine, metrics, chat)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],

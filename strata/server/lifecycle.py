@@ -76,6 +76,10 @@ def run_server(args: argparse.Namespace) -> int:
     model, names = _resolve_model(args)
     config = EngineConfig.from_args(EngineArgs.from_cli_args(args, model), served_model_name=names,
                                     chat_template=read_chat_template(args.chat_template))
+    if config.runner == "pooling":
+        from strata.server.serving_embeddings import run_pooling_server
+
+        return run_pooling_server(args, config)
     # Until the server runs (it drains on signals), SIGTERM stops start-up like Ctrl-C does.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     engine = None
