@@ -118,6 +118,7 @@ def _on_cuda(device: str) -> bool:
 def cpu_kernels_line(llm) -> str:
     """Which CPU paths the run took: the decode steps each fused path served (an in-process model only) and the
     instruction set the small-batch kernels were built for."""
+    from strata.bench.activations import gguf_activations
     from strata.kernels.cpu import crossovers
     from strata.kernels.cpu import matmul as cpu_matmul
 
@@ -129,7 +130,8 @@ def cpu_kernels_line(llm) -> str:
         served = stack.served
         paths = (f"{served['whole step']} decode steps in one C call each, {served['stack']} with every layer in "
                  f"one call, {served['blocks']} layer by layer in C blocks, of {llm.engine.stats['steps']} steps")
-    line = f"CPU kernels: {paths}; small-batch products built for {cpu_matmul.instruction_set()}"
+    line = (f"CPU kernels: {paths}; {gguf_activations(llm)}; small-batch products built for "
+            f"{cpu_matmul.instruction_set()}")
     choice = crossovers.summary(_weight_kinds(model)) if model is not None else ""
     return f"{line}; {choice}" if choice else line
 

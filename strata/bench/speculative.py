@@ -63,6 +63,7 @@ def run_concurrent(engine: Any, prompts: list[list[int]], concurrency: int, para
 
 
 def run_speculative(args: argparse.Namespace) -> int:
+    from strata.bench.activations import activations_line
     from strata.llm import LLM
 
     options = engine_kwargs(args)
@@ -78,6 +79,7 @@ def run_speculative(args: argparse.Namespace) -> int:
         prompts_by_level = {c: grounded_prompts(llm.get_tokenizer(), max(args.num_prompts, c), args.seed + c,
                                                 args.max_input_len) for c in args.concurrency}
         run_concurrent(llm.engine, prompts_by_level[args.concurrency[0]][:1], 1, SamplingParams(max_tokens=4))
+        sys.stdout.write(activations_line(llm))
         for level in args.concurrency:
             spec = llm.engine.spec
             before = spec.stats.copy() if spec is not None else None

@@ -39,6 +39,7 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int 
 
 
 def _bench_strata(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, float]:
+    from strata.bench.activations import activations_line
     from strata.llm import LLM
 
     started = time.perf_counter()
@@ -47,6 +48,7 @@ def _bench_strata(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[f
     load_to_first_token = time.perf_counter() - started
     assert warm[0].finished
     schema = _json_schema(getattr(args, "json_schema", None))
+    sys.stdout.write(activations_line(llm))
     if schema is None:
         elapsed, _ = _timed_run(llm, prompts, args.output_len, None)
         if llm.engine.spec is not None:  # --speculative-config: how the drafts fared

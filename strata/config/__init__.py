@@ -12,7 +12,14 @@ from typing import Any
 import torch
 
 from strata.config import model_registry as registry
-from strata.config.engine_args import KERNELS, KV_CACHE_DTYPES, QUANTIZATIONS, SSM_STATE_DTYPES, EngineArgs
+from strata.config.engine_args import (
+    KERNELS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    QUANTIZED_ACTIVATIONS,
+    SSM_STATE_DTYPES,
+    EngineArgs,
+)
 from strata.config.hf_config import HFConfig, read_config_json
 from strata.config.layout_rules import check_nodes, check_pp
 from strata.config.pooling_config import resolve_runner
@@ -281,6 +288,7 @@ class EngineConfig:
         _check_options(args)  # before a download, which may take long
         model_config = ModelConfig.from_path(resolve_source(args), args.dtype, args.max_model_len, args.quantization)
         model_config = auto_compute_dtype(model_config, args.dtype, args.device)
+        model_config = with_quantized_activations(model_config, args.quantized_activations)
         parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.pp_layer_partition,
                                   args.nnodes, args.node_rank, args.master_addr, args.master_port)
         if args.quantization == "experts_int8" and num_routed_experts(model_config.text_config) == 0:
@@ -312,6 +320,24 @@ class EngineConfig:
                                        model_config.text_config), structured, speculative, runner)
         validate_parallel(config)
         return config
+
+
+def with_quantized_activations(model: ModelConfig, activations: str) -> ModelConfig:
+    """The model with its GGUF products' activations chosen (logged); int8 is refused for a checkpoint whose
+    linear layers are not GGUF blocks (the GGUF types without int8 kernels are refused as their layers load)."""
+    if activations not in QUANTIZED_ACTIVATIONS:
+        raise ConfigError(f"quantized_activations {activations!r} is not one of {', '.join(QUANTIZED_ACTIVATIONS)}",
+                          param="quantized_activations")
+    quant = model.quant_config
+    if not isinstance(quant, GGUFQuantConfig):
+        if activations == "int8":
+            raise ConfigError("quantized_activations='int8' applies to the products of GGUF block weights (Q4_0, "
+                              "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); this checkpoint has none: use "
+                              "quantized_activations='float'", param="quantized_activations")
+        return model
+    logger.info("GGUF products: %s", "int8 activations (x rounded to Q8_0 / Q8_K blocks as llama.cpp rounds it, "
+                "integer dot products, every batch size)" if activations == "int8" else "float activations (exact)")
+    return dataclasses.replace(model, quant_config=dataclasses.replace(quant, activations=activations))
 
 
 def _check_options(args: EngineArgs) -> None:

@@ -16,6 +16,7 @@ SSM_STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16")  # vLLM's names; its fp8 kinds are refused
 QUANTIZATIONS = ("experts_int8", "compressed-tensors", "gptq", "awq", "fp8", "gguf")
 KERNELS = ("auto", "torch", "triton")
+QUANTIZED_ACTIVATIONS = ("float", "int8")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
 CONVERTS = ("none", "embed")  # vLLM's --convert (embed: refused for now)
 
@@ -99,6 +100,10 @@ class EngineArgs:
     device: str = _option("auto", "auto, cpu, cuda or cuda:N")
     kernels: str = _option("auto", "attention and Mamba kernels: auto (Triton on CUDA, plain torch on CPU), torch, "
                                    "or triton (on CPU only under TRITON_INTERPRET=1, for testing)", choices=KERNELS)
+    quantized_activations: str = _option(
+        "float", "activations of the products with GGUF block weights: float (exact) or int8 (each row of x rounded "
+                 "to Q8_0 / Q8_K blocks as llama.cpp rounds it, integer dot products; every batch size)",
+        choices=QUANTIZED_ACTIVATIONS)
     nnodes: int = _option(1, "machines the workers are spread over")
     node_rank: int = _option(0, "this machine's index among --nnodes (0 serves)")
     master_addr: str = _option("127.0.0.1", "address of node 0, where all nodes meet")

@@ -81,6 +81,7 @@ class GGUFQuantConfig:
 
     tensor_types: dict[str, int]
     method: str = "gguf"
+    activations: str = "float"  # "int8": products round x to Q8_0 / Q8_K as llama.cpp does (quantized_activations)
 
     def types_of(self, module_names: list[str]) -> dict[str, int]:
         """{checkpoint module name: ggml type} of the modules (several for a fused layer) stored in blocks."""

@@ -21,6 +21,7 @@ def weight_only_library() -> ctypes.CDLL | None:
     return build.bind("weight_only", {"weight_only_matmul": _SIGNATURE,
                                       "weight_rows": ([PTR, I64, I32, I64, PTR, I64, PTR, I32], I32),
                                       "weight_only_build": ([], ctypes.c_char_p),
+                                      "int8_activations_build": ([], ctypes.c_char_p),
                                       "set_fixed_point_rows": ([I32, I64], I32),
                                       "fixed_point_rows": ([I32], I64)})
 
@@ -41,6 +42,12 @@ def instruction_set() -> str:
     """Which kernels the small-batch products run here: the instruction set this machine's build compiled in."""
     lib = weight_only_library()
     return "none (no C compiler: torch's ops)" if lib is None else lib.weight_only_build().decode()
+
+
+def int8_activations_set() -> str:
+    """Which kernels the GGUF products with x rounded to 8 bits (quantized_activations=int8) run on here."""
+    lib = weight_only_library()
+    return "none (no C compiler)" if lib is None else lib.int8_activations_build().decode()
 
 
 def available() -> bool:

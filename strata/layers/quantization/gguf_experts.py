@@ -152,6 +152,9 @@ def quantize_gguf_experts(model: nn.Module, quant: GGUFQuantConfig, checkpoint_p
         kinds = {p: quant.tensor_types.get(f"{checkpoint_prefix}{name}.{p}.weight") for p in PROJECTIONS}
         if any(k is None for k in kinds.values()):
             continue  # float experts (or gpt-oss's MXFP4 ones, named otherwise)
+        if quant.activations == "int8":  # never their float products in its place
+            raise ConfigError(f"{name}: quantized_activations='int8' has no kernels for GGUF routed experts yet; use "
+                              "quantized_activations='float'", param="quantized_activations")
         gguf_experts(moe, name, kinds)
         count += 1
     if count:

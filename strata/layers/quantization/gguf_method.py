@@ -11,10 +11,13 @@ import torch
 from torch import nn
 
 from strata.config.quant_config import GGUFQuantConfig
+from strata.errors import ConfigError
 from strata.gguf import types
+from strata.gguf.types import MXFP4
 from strata.gguf.weights import GGUFTensor
 from strata.host_memory import huge_page_zeros
 from strata.kernels.cpu import crossovers
+from strata.kernels.cpu import matmul as cpu_matmul
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
 from strata.layers.quantization import gguf_quants
@@ -40,8 +43,9 @@ class GGUFMethod:
     `finish` joins pieces of one type into one weight (padding rows past the vocabulary stay zero blocks, which
     are zero values in every type)."""
 
-    def __init__(self, layer: nn.Module, name: str) -> None:
+    def __init__(self, layer: nn.Module, name: str, activations: str = "float") -> None:
         self.name = name
+        self.activations = activations  # "int8": x rounded to Q8_0 / Q8_K blocks per product (gguf_q8.h)
         self.n, self.k = _local_shape(layer)
         self.loaded: list[BlockWeight] = []
         self.weights: list[BlockWeight] | None = None
@@ -58,6 +62,8 @@ class GGUFMethod:
         first = start // block.values_per_block * block.bytes_per_block
         width = size // block.values_per_block * block.bytes_per_block
         data = tensor.data.reshape(-1, tensor.row_bytes)
+        if self.activations == "int8":
+            gguf_quants.check_int8_type(tensor.ggml_type, self.name)
         for offset, row, rows in _out_pieces(layer, shard_id):
             self.loaded.append(BlockWeight(offset, data[row:row + rows, first:first + width], tensor.ggml_type))
 
@@ -88,9 +94,10 @@ class GGUFMethod:
         weights = self._ready()
         if len(weights) == 1:
             w = weights[0]
-            return gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, bias, self.small_rows[w.ggml_type])
-        out = torch.cat([gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, None, self.small_rows[w.ggml_type])
-                         for w in weights], dim=-1)
+            return gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, bias, self.small_rows[w.ggml_type],
+                                           self.activations)
+        out = torch.cat([gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, None, self.small_rows[w.ggml_type],
+                                                 self.activations) for w in weights], dim=-1)
         return out if bias is None else out + bias.to(out.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -107,6 +114,21 @@ class GGUFMethod:
     @property
     def nbytes(self) -> int:
         return sum(p.data.nbytes for p in (self.weights or self.loaded))
+
+
+class Int8GGUFMethod:
+    """A GGUFMethod whose products take int8 activations. Deliberately not a GGUFMethod: the fused CPU decode path
+    (strata/layers/decode_block.py) describes GGUFMethod layers with float kernel kinds, so it declines these and
+    their decode steps run layer by layer through `apply`, never in float. Everything else is the inner method's."""
+
+    def __init__(self, inner: GGUFMethod) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.inner.apply(layer, x, bias)
 
 
 def _local_shape(layer: nn.Module) -> tuple[int, int]:
@@ -148,7 +170,9 @@ def quantize_gguf(model: nn.Module, quant: GGUFQuantConfig, checkpoint_modules) 
         if not quant.types_of(checkpoint_modules(name)):
             counts["float"] += 1
             continue
-        method = GGUFMethod(module, name)
+        method = GGUFMethod(module, name, quant.activations)
+        if quant.activations == "int8":
+            method = Int8GGUFMethod(method)
         module.weight = _block_param(method, module)
         module.quant = method
         counts["in blocks"] += 1
@@ -158,3 +182,9 @@ def quantize_gguf(model: nn.Module, quant: GGUFQuantConfig, checkpoint_modules) 
                     head.weight, head.quant = module.weight, method
     logger.info("GGUF checkpoint: %d layers kept in ggml blocks, %d in float32", counts["in blocks"],
                 counts["float"])
+    if quant.activations == "int8":
+        if MXFP4 in quant.tensor_types.values():
+            raise ConfigError("quantized_activations='int8' has no kernels for MXFP4 experts yet; use "
+                              "quantized_activations='float'", param="quantized_activations")
+        logger.info("int8 activations (%s kernels) for every GGUF product, decode and prefill; the fused CPU decode "
+                    "path takes none of them yet: decode steps run layer by layer", cpu_matmul.int8_activations_set())

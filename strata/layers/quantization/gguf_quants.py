@@ -134,25 +134,49 @@ def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return values.reshape(data.shape[0], k)
 
 
-def kernel_kind(qtype: int) -> int:
-    """The C kernels' name for a GGUF type (weight_only_matmul, weight_gemm, and the decode path's linear_t)."""
+# The types whose products have kernels with x rounded to 8 bits as llama.cpp rounds it (quantized_activations=int8).
+INT8_ACTIVATION_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+ACTIVATIONS = ("float", "int8")
+
+
+def kernel_kind(qtype: int, activations: str = "float") -> int:
+    """The C kernels' name for a GGUF type (weight_only_matmul, weight_gemm, and the decode path's linear_t); with
+    int8 activations, the kind whose products round x to Q8_0 / Q8_K blocks (weight_only_matmul only)."""
     check_type(qtype, "weight")
+    if activations == "int8":
+        check_int8_type(qtype, "weight")
+        return abi.KIND_GGUF_Q8 + qtype
     return abi.KIND_GGUF + qtype
 
 
+def check_int8_type(qtype: int, name: str) -> None:
+    """ConfigError unless a type's products have int8-activation kernels."""
+    if qtype not in INT8_ACTIVATION_TYPES:
+        raise ConfigError(f"{name}: quantized_activations='int8' has no kernel for GGUF type {type_name(qtype)} (it "
+                          f"has for {', '.join(type_name(t) for t in INT8_ACTIVATION_TYPES)}); use "
+                          "quantized_activations='float'", param="quantized_activations")
+
+
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
-                small_rows: int = SMALL_BATCH_GGUF) -> torch.Tensor:
+                small_rows: int = SMALL_BATCH_GGUF, activations: str = "float") -> torch.Tensor:
     """x [..., k] (float32 or bfloat16) times a GGUF weight uint8 [N, row_bytes] (+ bias [N]): [..., N] in x's dtype.
     On CPU up to `small_rows` rows of x (crossovers.small_batch_rows of the type) run the small-batch C kernel
     (each weight row read once, its blocks dequantized in registers), more rows the C GEMM (the weight widened a
     cache-sized panel at a time; float32 weights: oneDNN's GEMM). Elsewhere, or without a C compiler (which
-    strata.kernels.cpu.build warns about), the weight is dequantized for the call and F.linear runs."""
+    strata.kernels.cpu.build warns about), the weight is dequantized for the call and F.linear runs.
+    activations="int8": every row count (decode and prefill) rounds x to Q8_0 / Q8_K as llama.cpp does and runs the
+    integer kernels (gguf_q8.h); refused with ConfigError where they cannot run (no C compiler, not on CPU)."""
     _check_data(data, qtype, k)
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the GGUF weight expects {k}")
     rows = cpu_matmul.float_rows(x)
     n = data.shape[0]
-    if not cpu_kernels_apply(x) or not cpu_matmul.available():
+    if activations == "int8":
+        if not cpu_kernels_apply(x) or not cpu_matmul.available():
+            raise ConfigError("quantized_activations='int8' runs on strata's CPU C kernels only (a C compiler and "
+                              "a CPU tensor); use quantized_activations='float'", param="quantized_activations")
+        y = cpu_matmul.matmul(rows, data, kernel_kind(qtype, activations), n, bias=bias)
+    elif not cpu_kernels_apply(x) or not cpu_matmul.available():
         y = F.linear(rows, dequantize(data, qtype, k), None if bias is None else bias.to(torch.float32))
     elif rows.shape[0] <= small_rows:
         y = cpu_matmul.matmul(rows, data, kernel_kind(qtype), n, bias=bias)

@@ -1,6 +1,7 @@
 /* Small-batch linear products read straight from float32, bfloat16, FP8 (e4m3), int8 or int4 weights (strata's
    packed layout, strata/layers/quantization/weight_only.py); weight_gemm.c has the GEMM of larger batches.
-   MXFP4 blocks (mxfp4.h) and GGUF blocks (gguf_matmul.h) have kernels of their own.
+   MXFP4 blocks (mxfp4.h) and GGUF blocks (gguf_matmul.h; gguf_q8.h with x rounded to 8 bits) have kernels of their
+   own.
    Built on first use by kernels/cpu/build.py; AVX-512 VNNI (weight_only_vnni.h), AVX-512 (weight_only_avx512.h) or
    AVX2/FMA when the machine has it, plain C otherwise. */
 #include <math.h>
@@ -222,6 +223,7 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
 #endif
 
 #include "gguf_matmul.h"
+#include "gguf_q8.h"
 #include "mxfp4.h"
 
 #if STRATA_AVX512BW && !STRATA_AVX512VNNI /* the float32 path of AVX-512 CPUs without VNNI */
@@ -285,7 +287,8 @@ static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, co
    kind: 0 float32 / 1 bfloat16 weight [n, k]; 4 / 8: packed int4 / int8 with scales and zeros
    [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]; 16: MXFP4 blocks [n, k / 2] with their uint8 e8m0
    exponents [n, k / 32] passed as `scales` (mxfp4.h; zeros and groups unused); 32 + ggml's type: GGUF blocks
-   (gguf_blocks.h; scales, zeros and groups unused). Rows of the weight are shared among the threads, each read
+   (gguf_blocks.h; scales, zeros and groups unused); 64 + ggml's type: the same blocks times x rounded to Q8_0 / Q8_K
+   as llama.cpp rounds it (gguf_q8.h). Rows of the weight are shared among the threads, each read
    once for every 8 rows of x (4 in plain C; int4 and int8 at one row on AVX2: the fixed-point kernels). Returns 0,
    -1 when scratch memory ran out, -2 for a GGUF kind strata does not read or a K that is not a whole number of its
    blocks. */
@@ -294,6 +297,12 @@ int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *w
                        const float *bias, float *out, int64_t n, int num_threads) {
     if (kind == KIND_MXFP4)
         return mxfp4_matmul(x, m_total, k, weight, row_bytes, (const uint8_t *)scales, bias, out, n, num_threads);
+    if (kind >= KIND_GGUF_Q8) { /* x rounded to 8 bits as llama.cpp rounds it (gguf_q8.h) */
+        const int base = kind - KIND_GGUF_Q8 + KIND_GGUF;
+        if (!q8_has_kernel(base) || !gguf_shape_ok(base, k, row_bytes)) return -2;
+        const weights_t gw = {weight, row_bytes, n, k, 1, k, NULL, NULL, base};
+        return gguf_q8_matmul(&gw, x, m_total, bias, out, num_threads);
+    }
     kind = gguf_dense_kind(kind);
     if (kind >= KIND_GGUF && kind != KIND_F16) {
         if (!gguf_shape_ok(kind, k, row_bytes)) return -2;
@@ -380,6 +389,15 @@ int64_t fixed_point_rows(int kind) {
 #endif
 }
 
+/* Which kernels the int8-activation GGUF products (gguf_q8.h) run on in this build. */
+const char *int8_activations_build(void) {
+#if STRATA_AVX512VNNI
+    return "AVX-512 VNNI";
+#else
+    return "portable C";
+#endif
+}
+
 /* Which of the kernels above this build compiled in, for the CPU it was built on (`strata bench latency` says). */
 const char *weight_only_build(void) {
 #if STRATA_AVX512VNNI
@@ -393,4 +411,4 @@ const char *weight_only_build(void) {
 #endif
 }
 
-STRATA_ABI_EXPORT(weight_only, STRATA_ABI_WEIGHT_KINDS STRATA_ABI_CONST(KIND_MXFP4))
+STRATA_ABI_EXPORT(weight_only, STRATA_ABI_WEIGHT_KINDS STRATA_ABI_CONST(KIND_MXFP4) STRATA_ABI_CONST(KIND_GGUF_Q8))

@@ -1,0 +1,24 @@
+"""What the benchmarks print about the activations the GGUF products took (quantized_activations)."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def gguf_activations(llm: Any) -> str:
+    """One phrase: which activations the run's GGUF products took, and on which kernels."""
+    from strata.config.quant_config import GGUFQuantConfig
+    from strata.kernels.cpu import matmul as cpu_matmul
+
+    quant = llm.engine.config.model.quant_config
+    if not isinstance(quant, GGUFQuantConfig):
+        return "activations float (no GGUF weights)"
+    if quant.activations == "int8":
+        return (f"GGUF products with int8 activations (x rounded to Q8_0 / Q8_K blocks as llama.cpp rounds it, "
+                f"decode and prefill, {cpu_matmul.int8_activations_set()} kernels; decode layer by layer, not in "
+                "the fused C step)")
+    return "GGUF products with float activations"
+
+
+def activations_line(llm: Any) -> str:
+    """The `CPU kernels:` line of `bench throughput` and `bench speculative`."""
+    return f"CPU kernels: {gguf_activations(llm)}\n"

@@ -1,0 +1,149 @@
+"""GGUF products with x rounded to 8 bits as llama.cpp rounds it (quantized_activations=int8, csrc/gguf_q8*.h): each
+kernel against a float64 reference of the same rounded x (numpy, written from ggml-quants.c's quantize_row_q8_0_ref /
+q8_1_ref / q8_K_ref), the weights dequantized by gguf-py, on the native, AVX2 (x86-64-v3: the portable int8 path),
+AVX-512 VNNI and portable builds; ties rounded as llama.cpp rounds them; refusals."""
+from __future__ import annotations
+
+import gguf_packing as gp
+import numpy as np
+import pytest
+import torch
+from c_builds import forced_build
+
+from strata.errors import ConfigError
+from strata.layers.quantization import gguf_quants
+
+INT8_TYPES = (gp.Q4_0, gp.Q4_1, gp.Q5_0, gp.Q5_1, gp.Q8_0, gp.Q4_K, gp.Q5_K, gp.Q6_K)
+NAMES = {t: gguf_quants.TYPES[t].name for t in INT8_TYPES}
+_WITH_MIN = (gp.Q4_1, gp.Q5_1)
+
+
+def _round_q8_32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """quantize_row_q8_1_ref on rows of x: (q int [..., K], d as its fp16 [..., K/32], s = fp16(sum q * d))."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    v = (blocks * inv[..., None]).astype(np.float32).astype(np.float64)
+    q = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int64)  # roundf: halves away from zero
+    s = (q.sum(axis=-1).astype(np.float32) * d).astype(np.float16).astype(np.float64)
+    return q.reshape(x.shape), d.astype(np.float16).astype(np.float64), s
+
+
+def _round_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_row_q8_K_ref on rows of x: (q int [..., K], d float32 [..., K/256]); scale from the signed value of
+    largest magnitude (its first occurrence), nearest_int's ties to even, q at most 127."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 256)
+    first = np.abs(blocks).argmax(axis=-1)
+    largest = np.take_along_axis(blocks, first[..., None], axis=-1)[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(largest != 0, np.float32(-127) / largest, np.float32(0)).astype(np.float32)
+    q = np.minimum(np.rint((blocks * iscale[..., None]).astype(np.float32)), 127).astype(np.int64)
+    with np.errstate(divide="ignore"):
+        d = np.where(iscale != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float64)
+    return q.reshape(x.shape), d
+
+
+def _half(data: np.ndarray, offset: int) -> np.ndarray:
+    return data[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def reference(x: np.ndarray, data: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
+    """(y, the sum of |terms| for the tolerance) of x [M, K] rounded as llama.cpp rounds it for `qtype`, times the
+    weight gguf-py dequantizes, in float64: sum over blocks of (weight . x's integer q) * x's d; Q4_1 / Q5_1's mins
+    meet Q8_1's stored s, as ggml's vec_dot does."""
+    n, k = data.shape[0], x.shape[1]
+    weight = gp.reference(data, qtype).astype(np.float64)  # [N, K]
+    per = 32 if gguf_quants.TYPES[qtype].values_per_block == 32 else 256
+    if per == 32:
+        q, d, s = _round_q8_32(x)
+    else:
+        (q, d), s = _round_q8_k(x), None
+    xv = q.astype(np.float64) * np.repeat(d, per, axis=-1)  # the rounded x, exactly (an int8 times a float)
+    y, size = xv @ weight.T, np.abs(xv) @ np.abs(weight).T
+    if qtype in _WITH_MIN:  # the weight's m times Q8_1's fp16 s, not times x's own sum
+        blocks = data.reshape(n, k // 32, -1)
+        m = _half(blocks, 2)  # [N, K/32]
+        xsum = xv.reshape(x.shape[0], -1, 32).sum(axis=-1)  # [M, K/32]
+        y += s @ m.T - xsum @ m.T
+    return y, size
+
+
+def _product(x: torch.Tensor, data: np.ndarray, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return gguf_quants.gguf_linear(x, torch.from_numpy(data), qtype, x.shape[1], bias, activations="int8")
+
+
+def _check(qtype: int, m: int, k: int, seed: int, what: str, bias: bool = False) -> None:
+    data = gp.random_blocks(qtype, 21, k, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) + (2.0 if m % 2 else 0.0)
+    b = torch.randn(21, generator=torch.Generator().manual_seed(seed + 1)) if bias else None
+    y = _product(x, data, qtype, b)
+    expected, size = reference(x.numpy(), data, qtype)
+    if b is not None:
+        expected = expected + b.double().numpy()
+    assert y.shape == (m, 21) and y.dtype == torch.float32
+    error = np.abs(y.double().numpy() - expected)
+    bound = 4e-6 * (size + np.abs(expected)) + 1e-30
+    assert (error <= bound).all(), f"{what}: worst error {error.max()} against bound {bound.flat[error.argmax()]}"
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=NAMES.get)
+def test_int8_product_equals_float64_of_llama_cpp_rounded_x_for_1_to_13_and_70_rows(qtype):
+    """Decode rows (1-12), one more, and a prefill-sized batch past one pass of 64 rows; odd block counts (the VNNI
+    kernels pair legacy blocks), a bias, x with a large mean (offsets and mins meet x's sums)."""
+    ks = (768, 256) if gguf_quants.TYPES[qtype].values_per_block == 256 else (160, 96)
+    for k in ks:
+        for m in (*range(1, 14), 70):
+            _check(qtype, m, k, seed=m + k, what=f"{NAMES[qtype]} k={k}, {m} rows", bias=m == 3)
+
+
+@pytest.mark.parametrize("build", ["portable", "avx2", "avx512_vnni"])
+def test_each_c_build_equals_the_rounded_reference(build, tmp_path, monkeypatch):
+    """The AVX2 build (x86-64-v3 level) runs the portable int8 path; AVX-512 VNNI the vpdpbusd kernels."""
+    with forced_build(build, tmp_path, monkeypatch):
+        for qtype in INT8_TYPES:
+            k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160
+            for m in (1, 5, 12):
+                _check(qtype, m, k, seed=qtype + m, what=f"{build}, {NAMES[qtype]}, {m} rows")
+
+
+def _one_hot_q8_0(columns: list[int], k: int) -> np.ndarray:
+    """Q8_0 rows, d = 1, q = 1 at one column each: a row reads x's rounded value there back."""
+    blocks = np.zeros((len(columns), k // 32, 34), dtype=np.uint8)
+    blocks[..., 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    for row, column in enumerate(columns):
+        blocks[row, column // 32, 2 + column % 32] = 1
+    return blocks.reshape(len(columns), -1)
+
+
+def test_ties_round_as_llama_cpp_rounds_them():
+    """Q8_0 blocks round x * (1 / d) with roundf (2.5 -> 3, -4.5 -> -5), Q8_K blocks with nearest_int, ties to even
+    (2.5 -> 2, -4.5 -> -4): with d = 1 (a block whose largest magnitude is 127) a one-hot weight reads them back."""
+    x = np.zeros((1, 256), dtype=np.float32)
+    x[0, 0], x[0, 1], x[0, 2] = -127.0, 2.5, -4.5  # Q8_K: iscale = -127 / -127 = 1; Q8_0's first block: d = 1
+    y = _product(torch.from_numpy(x), _one_hot_q8_0([1, 2], 256), gp.Q8_0)
+    np.testing.assert_array_equal(y.numpy(), [[3.0, -5.0]])
+    q = np.full((2, 256), 32)
+    q[0, 1], q[1, 2] = 33, 33  # Q6_K's value q - 32: 1 at x[1] (row 0) and at x[2] (row 1)
+    k_quant = gp.pack_q6_k(np.ones(2), np.ones((2, 16), dtype=np.int64), q)
+    np.testing.assert_array_equal(_product(torch.from_numpy(x), k_quant, gp.Q6_K).numpy(), [[2.0, -4.0]])
+
+
+def test_zero_rows_of_x_give_zero_and_bias():
+    data = gp.random_blocks(gp.Q4_K, 5, 256)
+    bias = torch.arange(5, dtype=torch.float32)
+    y = _product(torch.zeros(2, 256), data, gp.Q4_K, bias)
+    np.testing.assert_array_equal(y.numpy(), np.tile(bias.numpy(), (2, 1)))
+
+
+@pytest.mark.parametrize("qtype", (gp.F32, gp.F16))
+def test_types_without_int8_kernels_are_refused_naming_those_with(qtype):
+    with pytest.raises(ConfigError, match="has no kernel for GGUF type .*Q4_0.*Q6_K"):
+        gguf_quants.kernel_kind(qtype, "int8")
+
+
+def test_int8_without_the_c_kernels_is_refused_not_run_in_float(monkeypatch):
+    from strata.kernels.cpu import matmul as cpu_matmul
+    monkeypatch.setattr(cpu_matmul, "available", lambda: False)
+    with pytest.raises(ConfigError, match="C kernels only"):
+        _product(torch.ones(1, 32), gp.random_blocks(gp.Q8_0, 2, 32), gp.Q8_0)
