@@ -24,7 +24,7 @@ NON_DEFAULTS = {
     "kernels": ("triton", "triton"),
     "structured_outputs_timeout": (2.5, "2.5"), "structured_outputs_max_whitespace": (-1, "-1"),
     "reasoning_parser": ("qwen3", "qwen3"),
-    "runner": ("pooling", "pooling"), "convert": ("embed", "embed"),
+    "runner": ("pooling", "pooling"), "convert": ("embed", "embed"), "quantized_activations": ("int8", "int8"),
     "revision": ("v2", "v2"), "tokenizer": ("org/tok", "org/tok"), "tokenizer_revision": ("t1", "t1"),
     "download_dir": ("/tmp/hub", "/tmp/hub"), "hf_token": ("hf_x", "hf_x"), "gguf_file": ("m.gguf", "m.gguf"),
     "speculative_config": ({"method": "ngram", "num_speculative_tokens": 3},
