@@ -122,12 +122,12 @@ def cpu_kernels_line(llm) -> str:
     from strata.kernels.cpu import crossovers
     from strata.kernels.cpu import matmul as cpu_matmul
 
-    model = getattr(getattr(llm.engine.executor, "runner", None), "model", None)
-    stack = getattr(model, "decode_stack", None)
-    if stack is None:
+    runner = getattr(llm.engine.executor, "runner", None)
+    model, backend = getattr(runner, "model", None), getattr(runner, "cpu_decode", None)
+    if backend is None:
         paths = "decode path not known here (workers in other processes, or a model without the fused path)"
     else:
-        served = stack.served
+        served = backend.served
         paths = (f"{served['whole step']} decode steps in one C call each, {served['stack']} with every layer in "
                  f"one call, {served['blocks']} layer by layer in C blocks, of {llm.engine.stats['steps']} steps")
     line = (f"CPU kernels: {paths}; {gguf_activations(llm)}; small-batch products built for "

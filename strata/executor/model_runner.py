@@ -14,6 +14,7 @@ import torch
 
 from strata.config import EngineConfig
 from strata.distributed import IntermediateTensors, ParallelContext
+from strata.executor.cpu_decode import CpuDecode
 from strata.executor.step import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from strata.executor.step_inputs import is_decode_rows, prepare_step
 from strata.host_memory import keep_freed_host_memory
@@ -75,6 +76,9 @@ class ModelRunner:
             pack_linear_weights(self.model)
             logger.info("%s linear weights packed for oneDNN", pc.log_prefix)
             cpu_attention.prepare()  # a first-time compile belongs to start-up, not to the first request
+        # The fused CPU decode paths, read from the layers' declarations once the weights are final (None off CPU
+        # and for models without declared layers); each decode step asks them first.
+        self.cpu_decode = CpuDecode.build(self.model, device)
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -164,8 +168,8 @@ class ModelRunner:
             return RunnerOutput()
         input_ids, positions, meta = self._prepare(requests)
         embeds = self._multimodal_embeds(requests, input_ids)
-        if embeds is None and intermediate is None and all(s.sample for s in requests):
-            decoded = self.model.decode_logits(input_ids, positions, meta)  # a CPU decode step in one C call
+        if self.cpu_decode is not None and embeds is None and intermediate is None and all(s.sample for s in requests):
+            decoded = self.cpu_decode.decode_logits(input_ids, positions, meta)  # a CPU decode step in one C call
             if decoded is not None:
                 logits, argmax = decoded
                 if len(meta.logits_indices) != len(argmax):  # catch-up rows: only each request's last is sampled
@@ -197,6 +201,10 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
                  intermediate: IntermediateTensors | None, embeds: torch.Tensor | None
                  ) -> torch.Tensor | IntermediateTensors:
+        if self.cpu_decode is not None and embeds is None:
+            out = self.cpu_decode.forward(input_ids, positions, meta, intermediate)
+            if out is not None:
+                return out
         extra = {} if embeds is None else {"inputs_embeds": embeds}
         return self.model(input_ids, positions, meta, intermediate, **extra)
 

@@ -1,20 +1,19 @@
-"""A decode step's attention block and SwiGLU block of a pre-norm decoder layer on CPU, each as one C call
+"""A decode step's attention block and MLP block of a declared pre-norm decoder layer on CPU, each as one C call
 (strata/kernels/cpu/csrc/decode_layer.c), which runs the same kernels the modules would call one by one: at a few
 tokens a layer's dozen Python-level calls cost more than its arithmetic (about 0.35 ms a layer on a 2-core CPU).
 
-A model's layer says what it is made of (`DecoderBlocks`: norms, projections with their biases, q/k norms, rotary
-with its rotated dimensions, the attention with its window, soft cap and sinks, output scales or norms, the MLP's
-gate); nothing here knows an architecture.
-`FusedDecodeLayer.serves` says whether a step can take it: float32 activations on CPU, a decode-only step of the
-plain-torch attention path, few enough tokens for every linear's small-batch kernel, and weights those kernels read
-(oneDNN-packed or plain float, int4 / int8 / FP8 weight-only, ggml blocks). A feed-forward block other than a SwiGLU
-MLP (routed experts) runs as modules after the attention block's call; anything else keeps the modules' path.
+The layer is read from its declaration (`DecoderLayerSpec`, strata/layers/decoder_layer.py: norms and where they sit,
+projections with their biases, q/k norms, rotary with its rotated dimensions, the attention with its window, soft cap
+and sinks, output scale, the MLP's activation), the one the torch forward interprets; nothing here knows an
+architecture. `FusedDecodeLayer.serves` says whether a step can take it: float32 activations on CPU, a decode-only
+step of the plain-torch attention path, few enough tokens for every linear's small-batch kernel, and weights those
+kernels read (oneDNN-packed or plain float, int4 / int8 / FP8 weight-only, ggml blocks). A feed-forward block other
+than a gated MLP (routed experts) runs as modules after the attention block's call; anything else keeps the modules'
+path.
 """
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,38 +22,14 @@ from strata.kernels.cpu import cpu_kernels_apply, crossovers, decode_layer
 from strata.kernels.cpu import matmul as cpu_matmul
 from strata.kernels.cpu.abi import AttentionBlock, Linear, MlpBlock
 from strata.layers.attention import Attention, AttentionMetadata
+from strata.layers.decoder_layer import DecoderLayerSpec, run_feed_forward
 from strata.layers.linear import PackableLinear, small_batch_rows
 from strata.layers.norm import GemmaRMSNorm, RMSNorm
 from strata.layers.quantization import gguf_quants
 from strata.layers.quantization.gguf_method import GGUFMethod
-from strata.layers.rotary import RotaryEmbedding
 
 # KV caches the C attention reads from float32 rows: float32, or bfloat16 (--kv-cache-dtype), written rounded.
 _CACHE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class DecoderBlocks:
-    """A pre-norm decoder layer as the CPU decode path reads it: x -> input_norm -> qkv_proj -> (q_norm, k_norm per
-    head) -> rotary -> attn -> o_proj (x output_scale, then attention_out_norm), then post_attention_norm -> a gated
-    MLP (gate_up_proj, SiLU or with `gelu` tanh-GELU, down_proj; x output_scale, then mlp_out_norm) or, when those
-    are None, `feed_forward` run as modules (its output finished already). The out norms are Gemma's "sandwich"."""
-
-    input_norm: RMSNorm
-    qkv_proj: PackableLinear
-    q_norm: RMSNorm | None
-    k_norm: RMSNorm | None
-    rotary: RotaryEmbedding
-    attn: Attention
-    o_proj: PackableLinear
-    post_attention_norm: RMSNorm
-    gate_up_proj: PackableLinear | None
-    down_proj: PackableLinear | None
-    feed_forward: Callable[[torch.Tensor], torch.Tensor]
-    output_scale: float = 1.0
-    attention_out_norm: RMSNorm | None = None
-    mlp_out_norm: RMSNorm | None = None
-    gelu: bool = False
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -145,9 +120,9 @@ def _kernel_weight(n: RMSNorm | None, keep: list) -> int | None:
 
 
 def kernel_norms(*norms: nn.Module | None) -> bool:
-    """Norms the C kernel computes as their modules do: float32 weights, RMSNorm's or GemmaRMSNorm's forward."""
-    return all(n is None or (type(n).forward in (RMSNorm.forward, GemmaRMSNorm.forward)
-                             and n.weight.dtype == torch.float32) for n in norms)
+    """Norms the C kernel computes as their modules do: float32 weights of an RMSNorm or a GemmaRMSNorm (exactly those
+    classes: a subclass may compute otherwise)."""
+    return all(n is None or (type(n) in (RMSNorm, GemmaRMSNorm) and n.weight.dtype == torch.float32) for n in norms)
 
 
 class Plan:
@@ -172,66 +147,74 @@ class Plan:
         return tokens * max(attention, mlp)
 
 
-def describe(b: DecoderBlocks, ranges: int, rope: int = 0) -> Plan | None:
+# The gated activations the C MLP block computes, by their declared names: its `gelu` flag.
+_KERNEL_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def describe(spec: DecoderLayerSpec, ranges: int, rope: int = 0) -> Plan | None:
     """The layer's blocks as the C calls read them (`ranges`, `rope`: the indices of its attention's key ranges and
-    of its rotary's tables in the step), or None when one of its parts needs the modules' path."""
-    attn, out_norms = b.attn, (b.attention_out_norm, b.mlp_out_norm)
-    if decode_layer.library() is None or decode_layer.kernels() is None or b.rotary.interleaved \
+    of its rotary's tables in the step), or None when one of its parts needs the modules' path. The MLP block is
+    None (its feed-forward block runs as modules) unless the declaration's feed-forward is a gated MLP of an
+    activation the kernel computes."""
+    attn, out_norms = spec.attn, (spec.attention_out_norm, spec.feed_forward_out_norm)
+    if decode_layer.library() is None or decode_layer.kernels() is None or spec.rotary.interleaved \
             or attn.k_cache.dtype not in _CACHE_DTYPES \
             or attn.v_cache.dtype != attn.k_cache.dtype \
-            or not kernel_norms(b.input_norm, b.post_attention_norm, b.q_norm, b.k_norm, *out_norms):
+            or not kernel_norms(spec.input_norm, spec.feed_forward_norm, spec.q_norm, spec.k_norm, *out_norms):
         return None
-    if b.o_proj.pc.tp_size > 1 and any(out_norms):  # a norm of a block's output must follow its all-reduce
+    if spec.o_proj.pc.tp_size > 1 and any(out_norms):  # a norm of a block's output must follow its all-reduce
         return None
     if attn.sinks is not None and attn.sinks.dtype != torch.float32:
         return None
+    mlp = spec.mlp if spec.mlp is not None and spec.mlp.activation in _KERNEL_ACTIVATIONS else None
     keep: list = [] if attn.sinks is None else [attn.sinks]
-    first_rank = b.o_proj.pc.tp_rank == 0
-    linears = [describe_linear(b.qkv_proj, b.qkv_proj.bias, keep),
-               describe_linear(b.o_proj, b.o_proj.bias if first_rank else None, keep)]
-    if b.gate_up_proj is not None:
-        linears += [describe_linear(b.gate_up_proj, b.gate_up_proj.bias, keep),
-                    describe_linear(b.down_proj, b.down_proj.bias if first_rank else None, keep)]
+    first_rank = spec.o_proj.pc.tp_rank == 0
+    linears = [describe_linear(spec.qkv_proj, spec.qkv_proj.bias, keep),
+               describe_linear(spec.o_proj, spec.o_proj.bias if first_rank else None, keep)]
+    if mlp is not None:
+        linears += [describe_linear(mlp.gate_up_proj, mlp.gate_up_proj.bias, keep),
+                    describe_linear(mlp.down_proj, mlp.down_proj.bias if first_rank else None, keep)]
     if any(d is None for d in linears):
         return None
     max_rows = min(rows for _, rows in linears)
-    hidden = b.input_norm.weight.shape[0]
-    attention_out, mlp_out = b.attention_out_norm, b.mlp_out_norm
+    hidden = spec.input_norm.weight.shape[0]
+    attention_out, mlp_out = out_norms
     attention = AttentionBlock(
-        norm_weight=_kernel_weight(b.input_norm, keep), eps=b.input_norm.eps, hidden=hidden,
+        norm_weight=_kernel_weight(spec.input_norm, keep), eps=spec.input_norm.eps, hidden=hidden,
         num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
         block_size=attn.k_cache.shape[1], scale=attn.scale, qkv=linears[0][0], o=linears[1][0],
-        k_cache=attn.k_cache.data_ptr(), v_cache=attn.v_cache.data_ptr(), q_norm=_kernel_weight(b.q_norm, keep),
-        k_norm=_kernel_weight(b.k_norm, keep), qk_eps=b.q_norm.eps if b.q_norm else 0.0,
-        rotary_dim=b.rotary.rotary_dim, ranges=ranges, out_scale=b.output_scale, softcap=attn.softcap or 0.0,
+        k_cache=attn.k_cache.data_ptr(), v_cache=attn.v_cache.data_ptr(), q_norm=_kernel_weight(spec.q_norm, keep),
+        k_norm=_kernel_weight(spec.k_norm, keep), qk_eps=spec.q_norm.eps if spec.q_norm else 0.0,
+        rotary_dim=spec.rotary.rotary_dim, ranges=ranges, out_scale=spec.output_scale, softcap=attn.softcap or 0.0,
         sinks=_ptr(attn.sinks), out_norm=_kernel_weight(attention_out, keep),
         out_eps=attention_out.eps if attention_out else 0.0, rope=rope,
         kv_bf16=int(attn.k_cache.dtype == torch.bfloat16))
     keep.extend((attn.k_cache, attn.v_cache))
-    mlp = None
-    if b.gate_up_proj is not None:
+    mlp_block = None
+    if mlp is not None:
         gate_up, down = linears[2][0], linears[3][0]
-        mlp = MlpBlock(norm_weight=_kernel_weight(b.post_attention_norm, keep), eps=b.post_attention_norm.eps,
-                        hidden=hidden, intermediate=gate_up.n // 2, gate_up=gate_up, down=down,
-                        out_scale=b.output_scale, gelu=int(b.gelu), out_norm=_kernel_weight(mlp_out, keep),
-                        out_eps=mlp_out.eps if mlp_out else 0.0)
-    return Plan(attention, mlp, max_rows, attn, keep)
+        norm = spec.feed_forward_norm
+        mlp_block = MlpBlock(norm_weight=_kernel_weight(norm, keep), eps=norm.eps, hidden=hidden,
+                             intermediate=gate_up.n // 2, gate_up=gate_up, down=down, out_scale=spec.output_scale,
+                             gelu=_KERNEL_ACTIVATIONS[mlp.activation], out_norm=_kernel_weight(mlp_out, keep),
+                             out_eps=mlp_out.eps if mlp_out else 0.0)
+    return Plan(attention, mlp_block, max_rows, attn, keep)
 
 
 class FusedDecodeLayer:
-    """The one-call-per-block decode path of a layer described by `DecoderBlocks`, computing what its modules
-    compute. `windows` is its stack's list of the attention kinds (window, chunk) a step describes key ranges for,
-    `rotaries` the list of rotary embeddings a step gives cos and sin tables of."""
+    """The one-call-per-block decode path of a layer declared by `spec`, computing what `run_decoder_layer` computes.
+    `windows` is its stack's list of the attention kinds (window, chunk) a step describes key ranges for, `rotaries`
+    the list of rotary embeddings a step gives cos and sin tables of."""
 
-    def __init__(self, blocks: DecoderBlocks, windows: list, rotaries: list) -> None:
-        self.blocks, self.windows = blocks, windows
-        key = (blocks.attn.sliding_window, blocks.attn.chunk_size)
+    def __init__(self, spec: DecoderLayerSpec, windows: list, rotaries: list) -> None:
+        self.spec, self.windows = spec, windows
+        key = (spec.attn.sliding_window, spec.attn.chunk_size)
         if key not in windows:
             windows.append(key)
         self.ranges = windows.index(key)
-        if not any(r is blocks.rotary for r in rotaries):
-            rotaries.append(blocks.rotary)
-        self.rope = next(i for i, r in enumerate(rotaries) if r is blocks.rotary)
+        if not any(r is spec.rotary for r in rotaries):
+            rotaries.append(spec.rotary)
+        self.rope = next(i for i, r in enumerate(rotaries) if r is spec.rotary)
         self._plan: Plan | None | bool = False  # False: not described yet
 
     def serves(self, x: torch.Tensor, meta: object) -> bool:
@@ -241,10 +224,10 @@ class FusedDecodeLayer:
 
     def serves_rows(self, rows: int, meta: object) -> bool:
         """Whether a decode step of `rows` float32 CPU rows can take it (described on first use)."""
-        if not is_decode_step(meta, rows) or self.blocks.attn.k_cache is None:
+        if not is_decode_step(meta, rows) or self.spec.attn.k_cache is None:
             return False
         if self._plan is False or (self._plan is not None and not self._plan.current):
-            self._plan = describe(self.blocks, self.ranges, self.rope)  # the first decode, or a cache bound anew
+            self._plan = describe(self.spec, self.ranges, self.rope)  # the first decode, or a cache bound anew
         return self._plan is not None and rows <= self._plan.max_rows
 
     @property
@@ -254,7 +237,7 @@ class FusedDecodeLayer:
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                  meta: AttentionMetadata, step: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, residual) of the layer; `step`: the step's (description, scratch) from `step_for`."""
-        plan, b = self._plan, self.blocks
+        plan, spec = self._plan, self.spec
         first = residual is None
         if first:
             residual = torch.empty_like(x)
@@ -264,20 +247,17 @@ class FusedDecodeLayer:
                                      residual.data_ptr(), int(first), step[1].data_ptr(), out.data_ptr())
         if status:
             raise MemoryError("decode attention block could not allocate its scratch memory")
-        if b.o_proj.reduce_results:
-            out = b.o_proj.pc.all_reduce(out)
+        if spec.o_proj.reduce_results:
+            out = spec.o_proj.pc.all_reduce(out)
         if plan.mlp is None:  # another feed-forward block (routed experts): its modules
-            normed, residual = b.post_attention_norm(out, residual)
-            return b.feed_forward(normed), residual
+            normed, residual = spec.feed_forward_norm(out, residual)
+            return run_feed_forward(spec, normed), residual
         mlp_out = torch.empty_like(x)
         status = lib.mlp_block(kernels, ctypes.byref(plan.mlp), step[0], out.data_ptr(), residual.data_ptr(),
                                step[1].data_ptr(), mlp_out.data_ptr())
         if status:
             raise MemoryError("decode MLP block could not allocate its scratch memory")
-        if b.down_proj.reduce_results:
-            mlp_out = b.down_proj.pc.all_reduce(mlp_out)
+        down = spec.feed_forward.down_proj
+        if down.reduce_results:
+            mlp_out = down.pc.all_reduce(mlp_out)
         return mlp_out, residual
-
-
-def has_decode_blocks(layer: nn.Module) -> bool:
-    return callable(getattr(layer, "decode_blocks", None))

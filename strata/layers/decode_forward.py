@@ -4,9 +4,11 @@ norm, the LM head and each row's argmax.
 
 The CPU counterpart of replaying a captured CUDA graph: at batch 1 the step's weights stream through the caches,
 and every Python and torch call around the layers then runs several times slower than in a warm loop (the embedding
-lookup, rotary tables and LM head wrapper cost a 250M model about 0.7 ms a step that way). Taken when the stack
-serves the step and the model's ends are the plain ones (a float32 or bfloat16 table, RMSNorm, a head the small-batch
-kernels read, no tensor parallelism); anything else keeps `forward` and `compute_logits`.
+lookup, rotary tables and LM head wrapper cost a 250M model about 0.7 ms a step that way). Built by the CPU decode
+backend (strata/executor/cpu_decode.py) with the scales and cap the model declares (ModelArgs), which CausalLM's
+`embed_input_ids` and `compute_logits` apply too; taken when the stack serves the step and the ends are ones the call
+reads (a float32 or bfloat16 table, RMSNorm, a head the small-batch kernels read, no tensor parallelism); anything
+else keeps `forward` and `compute_logits`.
 """
 from __future__ import annotations
 

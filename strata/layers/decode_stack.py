@@ -1,5 +1,5 @@
-"""A stage's decoder layers on the CPU decode path: the step's shared description (rotary cos/sin, slots, the key
-ranges of each attention kind), each layer's blocks in one C call apiece, or the whole stack in one call.
+"""A stage's declared decoder layers on the CPU decode path: the step's shared description (rotary cos/sin, slots,
+the key ranges of each attention kind), each layer's blocks in one C call apiece, or the whole stack in one call.
 
 The per-layer calls still paid about 60 us a layer in Python (module calls, `serves`, tensors for each block's
 output), more after the layers' weights streamed through the caches and left Python's code cold: without tensor
@@ -16,14 +16,8 @@ from torch import nn
 from strata.kernels.cpu import cpu_kernels_apply, decode_layer
 from strata.kernels.cpu.abi import AttentionBlock, KeyRanges, MlpBlock, Step
 from strata.layers.attention import AttentionMetadata
-from strata.layers.decode_block import (
-    FusedDecodeLayer,
-    Plan,
-    has_decode_blocks,
-    is_decode_step,
-    kernel_norms,
-    norm_kernel_weight,
-)
+from strata.layers.decode_block import FusedDecodeLayer, Plan, is_decode_step, kernel_norms, norm_kernel_weight
+from strata.layers.decoder_layer import DecoderLayerSpec
 
 
 def step_description(meta: AttentionMetadata, windows: list, tokens: int, cos: torch.Tensor | None = None,
@@ -45,17 +39,16 @@ def step_description(meta: AttentionMetadata, windows: list, tokens: int, cos: t
 
 
 class FusedDecodeStack:
-    """The fused decode path of a stage's layers (those that describe their `decode_blocks`) and final norm."""
+    """The fused decode path of a stage's layers, read from their declarations, and (on the last stage) its final
+    norm."""
 
-    def __init__(self, layers: list[nn.Module], final_norm: nn.Module | None) -> None:
+    def __init__(self, specs: list[DecoderLayerSpec], final_norm: nn.Module | None) -> None:
         self.final_norm = final_norm
         self.windows: list = []  # the (window, chunk) of every attention kind among the layers
         self.rotaries: list = []  # every rotary embedding among them (Gemma 3: one for local layers, one global)
-        self.fused = [FusedDecodeLayer(layer.decode_blocks(), self.windows, self.rotaries)
-                      if has_decode_blocks(layer) else None for layer in layers]
+        self.fused = [FusedDecodeLayer(spec, self.windows, self.rotaries) for spec in specs]
         # The step's cos and sin tables lie back to back, one per rotary, each [tokens, rotary_dim / 2].
-        self.enabled = bool(self.fused) and all(f is not None for f in self.fused) \
-            and len({r.rotary_dim for r in self.rotaries}) == 1
+        self.enabled = bool(self.fused) and len({r.rotary_dim for r in self.rotaries}) == 1
         self._arrays: tuple | None = None  # (plans, their blocks as C arrays, the widest plan, the fewest rows)
         # Decode steps each path served: "whole step" (FusedDecodeForward), "stack", "blocks" (layer 0's calls).
         self.served: collections.Counter = collections.Counter()
@@ -83,8 +76,8 @@ class FusedDecodeStack:
     def layer(self, index: int, layer: nn.Module, positions: torch.Tensor, x: torch.Tensor,
               residual: torch.Tensor | None, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index` of the stage: its blocks' C calls when they serve the step, else the layer's modules."""
-        fused = self.fused[index] if self.fused else None
-        if fused is None or not fused.serves(x, meta):
+        fused = self.fused[index]
+        if not fused.serves(x, meta):
             return layer(positions, x, residual, meta)
         if index == 0:
             self.served["blocks"] += 1
@@ -135,7 +128,7 @@ class FusedDecodeStack:
     def _describe(self, plans: list[Plan]) -> tuple | None:
         """The plans' blocks as C arrays, or None when the layers need the per-layer path (tensor parallelism's
         all-reduces between blocks, or a feed-forward block run as modules)."""
-        if any(p.mlp is None for p in plans) or any(f.blocks.o_proj.pc.tp_size > 1 for f in self.fused):
+        if any(p.mlp is None for p in plans) or any(f.spec.o_proj.pc.tp_size > 1 for f in self.fused):
             return None
         norm = self.final_norm
         if not kernel_norms(norm):

@@ -1,8 +1,10 @@
 """What every causal LM shares: pipeline staging (this stage's embedding, layers and final norm, placeholders for
-the others'), the hand-off between stages, the LM head with its tied-weight loading, and `compute_logits`.
+the others'), the hand-off between stages, the LM head with its tied-weight loading, `embed_input_ids` and
+`compute_logits` with the scales and caps the model declares (ModelArgs).
 
 A model subclasses `CausalLM`, names its HF-config translation (`args_class`) and says how to build one decoder
 layer; its modules keep the checkpoint's names, so weights load by name and other stages' weights are skipped.
+The fused CPU decode paths are not here: the model runner builds them (strata/executor/cpu_decode.py).
 """
 from __future__ import annotations
 
@@ -10,14 +12,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
 from strata.config import HFConfig, ModelConfig
 from strata.distributed import IntermediateTensors, ParallelContext, pp_layer_range
-from strata.layers.decode_forward import FusedDecodeForward
-from strata.layers.decode_stack import FusedDecodeStack
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
@@ -38,8 +37,9 @@ class ModelArgs:
     num_layers: int
     norm_eps: float
     tie_word_embeddings: bool
-    embedding_multiplier: float = 1.0  # embeddings are scaled by it (Granite)
+    embedding_multiplier: float = 1.0  # embeddings are scaled by it (Granite; Gemma's sqrt(hidden))
     logits_scaling: float = 1.0  # logits are divided by it (Granite)
+    final_softcap: float | None = None  # logits then become cap * tanh(logits / cap) (Gemma 2)
 
     @staticmethod
     def common(cfg: HFConfig, *, eps_key: str = "rms_norm_eps", eps: float = 1e-6,
@@ -89,9 +89,9 @@ class CausalLM(nn.Module):
         self._place("lm_head", pc.is_last_stage, self._make_lm_head)
         if config.quant_config is not None:
             quantize_linears(self, config.quant_config, self.stacked_params, checkpoint_prefix)
-        self.decode_stack = FusedDecodeStack(list(self.get_submodule(names.layers)[self.start:self.end]),
-                                             self._final_norm())
-        self.decode_forward = self._decode_forward()
+        # This stage's layers, in order (a tuple, not a registered container: they are registered under `layers`).
+        self.stage_layers: tuple[nn.Module, ...] = tuple(self.get_submodule(names.layers)[self.start:self.end])
+        self._embedding_scales: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder layer `index` (global), called only for this stage's layers."""
@@ -101,70 +101,56 @@ class CausalLM(nn.Module):
         """What every layer needs of the runner's ForwardMeta, computed once per forward."""
         return meta.attn
 
-    def _final_norm(self) -> nn.Module | None:
-        """The final norm, when `finish` is exactly that norm of x + residual (the decode stack applies it)."""
-        if not self.pc.is_last_stage or type(self).finish is not CausalLM.finish:
-            return None
-        return self.get_submodule(self.names.norm)
-
-    def _decode_forward(self) -> FusedDecodeForward | None:
-        """The whole-step decode call, for a single-stage model whose `forward` is CausalLM's own and whose
-        embedding and LM head ends the call can compute (`fused_decode_ends`)."""
-        ends = self.fused_decode_ends()
-        if not (self.pc.is_first_stage and self.pc.is_last_stage) or self.decode_stack.final_norm is None \
-                or type(self).forward is not CausalLM.forward or ends is None:
-            return None
-        return FusedDecodeForward(self.decode_stack, self.get_submodule(self.names.embedding), self.lm_head, *ends)
-
-    def fused_decode_ends(self) -> tuple[float, float, float] | None:
-        """(embedding scale, logits divisor, final logits soft cap or 0) that `embed_input_ids` and `compute_logits`
-        apply around the plain lookup and head, for the whole-step decode call; None when they do something else."""
-        cls = type(self)
-        if (cls.embed_input_ids, cls.compute_logits) != (CausalLM.embed_input_ids, CausalLM.compute_logits):
-            return None
-        return self.args.embedding_multiplier, self.args.logits_scaling, 0.0
-
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta
-                      ) -> tuple[torch.Tensor, np.ndarray] | None:
-        """A decode step's logits (valid until the next step) and each row's argmax from one C call on CPU, or None
-        when the step takes `forward` and `compute_logits`."""
-        if self.decode_forward is None:
-            return None
-        return self.decode_forward(input_ids, positions, self.layer_context(meta))
-
     def finish(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output and residual stream -> final hidden states."""
         return self.get_submodule(self.names.norm)(x, residual)[0]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
-                intermediate: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+    def stage_input(self, input_ids: torch.Tensor, intermediate: IntermediateTensors | None = None,
+                    inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x, residual) entering this stage's first layer: the embeddings (first stage) or the previous stage's."""
         if self.pc.is_first_stage:
-            x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            residual = None
-        else:
-            x, residual = intermediate.hidden_states, intermediate.residual
-        context = self.layer_context(meta)
-        stacked = self.decode_stack(positions, x, residual, context)  # a CPU decode step: every layer in one call
-        if stacked is None:  # each layer: its blocks' C calls on a CPU decode step, else its modules
-            for i, layer in enumerate(self.get_submodule(self.names.layers)[self.start:self.end]):
-                x, residual = self.decode_stack.layer(i, layer, positions, x, residual, context)
-        elif self.decode_stack.final_norm is not None:  # the call applied the final norm too
-            return stacked[0]
-        else:
-            x, residual = stacked
+            return (inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)), None
+        return intermediate.hidden_states, intermediate.residual
+
+    def stage_output(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states on the last stage, else the hand-off to the next stage."""
         if not self.pc.is_last_stage:
             # A residual stream kept in float32 (Mamba2) travels in the activations' dtype.
             return IntermediateTensors(x, residual.to(x.dtype))
         return self.finish(x, residual)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
+                intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        x, residual = self.stage_input(input_ids, intermediate, inputs_embeds)
+        context = self.layer_context(meta)
+        for layer in self.stage_layers:
+            x, residual = layer(positions, x, residual, context)
+        return self.stage_output(x, residual)
+
+    def embedding_scale(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """`embedding_multiplier` as embeddings of `dtype` are multiplied by it, or None when it is 1: rounded to
+        float32, then to `dtype` (transformers' rule for Gemma's sqrt(hidden); Granite's multipliers are exact in
+        any of these dtypes). The one definition both the torch path and the C whole step read."""
+        multiplier = self.args.embedding_multiplier
+        if multiplier == 1.0:
+            return None
+        key = (dtype, torch.device(device))
+        if key not in self._embedding_scales:
+            self._embedding_scales[key] = torch.tensor(multiplier, dtype=torch.float32, device=device).to(dtype)
+        return self._embedding_scales[key]
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.get_submodule(self.names.embedding)(input_ids)
-        return x if self.args.embedding_multiplier == 1.0 else x * self.args.embedding_multiplier
+        scale = self.embedding_scale(x.dtype, x.device)
+        return x if scale is None else x * scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)
-        return logits if self.args.logits_scaling == 1.0 else logits / self.args.logits_scaling
+        a = self.args
+        if a.logits_scaling != 1.0:
+            logits = logits / a.logits_scaling
+        return logits if a.final_softcap is None else torch.tanh(logits / a.final_softcap) * a.final_softcap
 
     def rename_weight(self, name: str) -> str:
         """Checkpoint name -> parameter name, for checkpoints that spell a module differently."""

@@ -1,7 +1,7 @@
 """Llama's decoder and its descendants that differ from it only by flags: q/k/v biases (Qwen2), per-head q/k RMSNorm
 and an explicit head_dim (Qwen3), sliding windows on some layers or all (Qwen2, Qwen3, Mistral); Llama, Phi-3, Granite
-and Qwen3-MoE build on the attention and decoder layer here, which describe themselves to the CPU decode path
-(`decode_blocks`)."""
+and Qwen3-MoE build on the attention and decoder layer here, which declare themselves (`DecoderLayerSpec`) to the one
+torch interpreter and to the CPU decode backend alike."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,10 +13,9 @@ from torch import nn
 from strata.config import HFConfig
 from strata.distributed import ParallelContext
 from strata.errors import UnsupportedModelError
-from strata.layers.activation import silu_and_mul
-from strata.layers.attention import Attention, AttentionMetadata
-from strata.layers.decode_block import DecoderBlocks
-from strata.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from strata.layers.attention import Attention
+from strata.layers.decoder_layer import DecoderLayer, DecoderLayerSpec, GatedMLP
+from strata.layers.linear import QKVParallelLinear, RowParallelLinear
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models.base import CausalLM, ModelArgs
@@ -99,47 +98,14 @@ class MistralArgs(DenseArgs):
                    windows=(window,) * cfg.num_hidden_layers)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one projection."""
-
-    def __init__(self, hidden: int, intermediate: int, pc: ParallelContext, dtype: torch.dtype,
-                 bias: bool = False) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, pc, bias, dtype)
-        self.down_proj = RowParallelLinear(intermediate, hidden, pc, bias, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
-class PreNormDecoderLayer(nn.Module):
-    """Attention then a feed-forward block, each behind an RMSNorm that also adds the residual carried in
-    from the previous block. Subclasses build the modules and say which feed-forward block runs."""
-
-    self_attn: nn.Module
-    input_layernorm: RMSNorm
-    post_attention_layernorm: RMSNorm
-
-    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.feed_forward_block(x), residual
-
-
 class DenseAttention(nn.Module):
+    """The attention's modules under the checkpoint's names (q/k/v/o projections, per-head q/k norms) beside the
+    shared rotary embedding and the paged attention (window, soft cap); `parts` declares them to the layer's spec."""
+
     def __init__(self, a: DenseArgs, window: int | None, pc: ParallelContext, dtype: torch.dtype,
                  rotary: RotaryEmbedding, norm: type[RMSNorm] = RMSNorm) -> None:
         """`norm`: the class of the per-head q/k norms."""
         super().__init__()
-        self.head_dim, self.output_scale = a.head_dim, a.residual_multiplier
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, pc, a.qkv_bias,
                                           dtype)
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, pc, a.o_bias, dtype=dtype)
@@ -150,39 +116,26 @@ class DenseAttention(nn.Module):
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, a.head_dim, scale,
                               sliding_window=window, softcap=a.attn_softcap)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(x))
-        t = x.shape[0]
-        q, k = q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.o_proj(self.attn(q, k, v.view(t, -1, self.head_dim), meta))
-        return out if self.output_scale == 1.0 else out * self.output_scale
+    def parts(self) -> dict[str, nn.Module | None]:
+        """Its fields of a DecoderLayerSpec."""
+        return dict(qkv_proj=self.qkv_proj, q_norm=self.q_norm, k_norm=self.k_norm, rotary=self.rotary,
+                    attn=self.attn, o_proj=self.o_proj)
 
 
-class DenseDecoderLayer(PreNormDecoderLayer):
-    """Attention, then `mlp` (a SwiGLU MLP unless another block is given, e.g. routed experts)."""
+class DenseDecoderLayer(DecoderLayer):
+    """Attention, then `mlp` (a SwiGLU MLP unless another block is given, e.g. routed experts), each behind an
+    RMSNorm that adds the residual; both blocks' outputs scaled by `residual_multiplier` (Granite)."""
 
     def __init__(self, a: DenseArgs, index: int, pc: ParallelContext, dtype: torch.dtype, rotary: RotaryEmbedding,
                  mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = DenseAttention(a, a.window(index), pc, dtype, rotary)
-        self.mlp = mlp if mlp is not None else LlamaMLP(a.hidden_size, a.intermediate_size, pc, dtype, a.mlp_bias)
+        self.mlp = mlp if mlp is not None else GatedMLP(a.hidden_size, a.intermediate_size, pc, dtype, a.mlp_bias)
         self.input_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
-        self.output_scale = a.residual_multiplier
-
-    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.mlp(x)
-        return out if self.output_scale == 1.0 else out * self.output_scale
-
-    def decode_blocks(self) -> DecoderBlocks:
-        attn, mlp = self.self_attn, self.mlp
-        swiglu = isinstance(mlp, LlamaMLP)
-        return DecoderBlocks(self.input_layernorm, attn.qkv_proj, attn.q_norm, attn.k_norm, attn.rotary, attn.attn,
-                             attn.o_proj, self.post_attention_layernorm, mlp.gate_up_proj if swiglu else None,
-                             mlp.down_proj if swiglu else None, self.feed_forward_block, self.output_scale)
+        self.spec = DecoderLayerSpec(**self.self_attn.parts(), input_norm=self.input_layernorm,
+                                     feed_forward_norm=self.post_attention_layernorm, feed_forward=self.mlp,
+                                     output_scale=a.residual_multiplier)
 
 
 class DenseCausalLM(CausalLM):

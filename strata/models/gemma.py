@@ -1,6 +1,8 @@
 """Gemma 2 and Gemma 3 (text): Llama's attention and gated MLP arranged as a "sandwich": every block's input and
 output are normalised (four RMSNorms a layer, each scaling by 1 + w), embeddings are scaled by sqrt(hidden), the MLP
-gates with tanh-approximated GELU and attention scales by query_pre_attn_scalar ** -0.5 rather than head_dim's.
+gates with tanh-approximated GELU and attention scales by query_pre_attn_scalar ** -0.5 rather than head_dim's. The
+layer declares where its norms sit (DecoderLayerSpec); the embedding scale and the final soft cap are ModelArgs fields
+that CausalLM applies.
 
 Local (sliding-window) and global layers alternate: one to one in Gemma 2, five to one in Gemma 3. Gemma 2 bends
 attention scores and final logits through cap * tanh(x / cap); Gemma 3 drops that for per-head q/k norms and gives
@@ -13,15 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from strata.config import HFConfig
 from strata.distributed import ParallelContext
 from strata.errors import UnsupportedModelError
-from strata.layers.activation import gelu_tanh_and_mul
-from strata.layers.attention import AttentionMetadata
-from strata.layers.decode_block import DecoderBlocks
-from strata.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from strata.layers.decoder_layer import DecoderLayer, DecoderLayerSpec, GatedMLP
 from strata.layers.norm import GemmaRMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models.base import CausalLM, ModelArgs
@@ -32,7 +30,6 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 @dataclass(frozen=True, kw_only=True)
 class GemmaArgs(DenseArgs):
-    final_softcap: float | None = None  # logits become cap * tanh(logits / cap)
     local_rope_theta: float  # the rotary base (and scaling) of sliding-window layers
     local_rope_scaling: dict[str, Any] | None = None
 
@@ -49,7 +46,8 @@ class GemmaArgs(DenseArgs):
         heads, bias = cfg.num_attention_heads, bool(cfg.get("attention_bias", False))
         attn_cap, final_cap = (cfg.get(key, default) for key, default in
                                zip(("attn_logit_softcapping", "final_logit_softcapping"), softcaps, strict=True))
-        return dict(**ModelArgs.common(cfg, tied=True), intermediate_size=cfg.intermediate_size, num_heads=heads,
+        return dict(**ModelArgs.common(cfg, tied=True), embedding_multiplier=math.sqrt(cfg.hidden_size),
+                    intermediate_size=cfg.intermediate_size, num_heads=heads,
                     num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or 256,
                     qkv_bias=bias, o_bias=bias,
                     attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -99,53 +97,24 @@ class Gemma3Args(GemmaArgs):
                    windows=layer_windows(cfg, every))
 
 
-class GemmaMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up in one projection."""
-
-    def __init__(self, hidden: int, intermediate: int, pc: ParallelContext, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, pc, False, dtype)
-        self.down_proj = RowParallelLinear(intermediate, hidden, pc, False, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
-
-
-class GemmaDecoderLayer(nn.Module):
-    """Normalised attention and MLP blocks, each normalised again before it joins the residual stream."""
+class GemmaDecoderLayer(DecoderLayer):
+    """Normalised attention and MLP blocks, each normalised again before it joins the residual stream: Gemma's
+    post_attention_layernorm is the attention block's out-norm, its pre_feedforward_layernorm the norm before the
+    MLP (the one that adds the residual)."""
 
     def __init__(self, a: GemmaArgs, index: int, pc: ParallelContext, dtype: torch.dtype,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = DenseAttention(a, a.window(index), pc, dtype, rotary, norm=GemmaRMSNorm)
-        self.mlp = GemmaMLP(a.hidden_size, a.intermediate_size, pc, dtype)
+        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, pc, dtype, activation="gelu_tanh")
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             self.add_module(name, GemmaRMSNorm(a.hidden_size, a.norm_eps, dtype))
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream travels as x + residual (x alone into the first layer), so that each pre-norm adds
-        the previous block's output as it normalises, and the final norm the last one's."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
-        x, residual = self.pre_feedforward_layernorm(x, residual)
-        return self.feed_forward_block(x), residual
-
-    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post_feedforward_layernorm(self.mlp(x))
-
-    def decode_blocks(self) -> DecoderBlocks:
-        """The CPU decode path's view: Gemma's post-attention norm normalises the attention block's output, its
-        pre-feed-forward norm is the one before the MLP."""
-        attn, mlp = self.self_attn, self.mlp
-        return DecoderBlocks(self.input_layernorm, attn.qkv_proj, attn.q_norm, attn.k_norm, attn.rotary, attn.attn,
-                             attn.o_proj, self.pre_feedforward_layernorm, mlp.gate_up_proj, mlp.down_proj,
-                             self.feed_forward_block, attention_out_norm=self.post_attention_layernorm,
-                             mlp_out_norm=self.post_feedforward_layernorm, gelu=True)
+        self.spec = DecoderLayerSpec(**self.self_attn.parts(), input_norm=self.input_layernorm,
+                                     attention_out_norm=self.post_attention_layernorm,
+                                     feed_forward_norm=self.pre_feedforward_layernorm, feed_forward=self.mlp,
+                                     feed_forward_out_norm=self.post_feedforward_layernorm,
+                                     output_scale=a.residual_multiplier)
 
 
 class GemmaCausalLM(CausalLM):
@@ -167,20 +136,6 @@ class GemmaCausalLM(CausalLM):
             theta, scaling = (a.local_rope_theta, a.local_rope_scaling) if local else (a.rope_theta, a.rope_scaling)
             self.rotaries[local] = RotaryEmbedding(a.head_dim, theta, scaling, max_model_len=self.max_model_len)
         return self.rotaries[local]
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = super().embed_input_ids(input_ids)
-        # The scale is rounded to the activations' dtype before multiplying, as the checkpoints were trained.
-        return x * torch.tensor(math.sqrt(self.args.hidden_size), dtype=x.dtype, device=x.device)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits, cap = super().compute_logits(hidden), self.args.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def fused_decode_ends(self) -> tuple[float, float, float]:
-        """The whole-step decode call scales float32 embeddings by sqrt(hidden) as float32 (what embed_input_ids
-        multiplies by) and soft-caps the logits."""
-        return math.sqrt(self.args.hidden_size), 1.0, self.args.final_softcap or 0.0
 
 
 class Gemma2ForCausalLM(GemmaCausalLM):

@@ -22,13 +22,13 @@ from torch import nn
 from strata.config import HFConfig
 from strata.distributed import Collective, ParallelContext, StepSize, tp_collective
 from strata.layers.attention import Attention
-from strata.layers.decode_block import DecoderBlocks
+from strata.layers.decoder_layer import DecoderLayer, DecoderLayerSpec
 from strata.layers.linear import ReplicatedLinear
 from strata.layers.moe import FusedMoE, topk_then_softmax_routing
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models.base import ModelArgs
-from strata.models.dense_decoder import QKV_GATE_UP, DenseArgs, DenseAttention, DenseCausalLM, PreNormDecoderLayer
+from strata.models.dense_decoder import QKV_GATE_UP, DenseArgs, DenseAttention, DenseCausalLM
 
 # transformers' GptOssConfig defaults, for config.json files that leave these keys out.
 _DEFAULT_ROPE_THETA = 150000.0
@@ -123,8 +123,9 @@ class GptOssMoE(nn.Module):
         return tp_collective(self.pc, "all_reduce", step.num_tokens * self.hidden_size, self.dtype)
 
 
-class GptOssDecoderLayer(PreNormDecoderLayer):
-    """On the CPU decode path the attention block (sinks included) is one C call; the experts run as modules."""
+class GptOssDecoderLayer(DecoderLayer):
+    """Attention with sinks, then the routed experts as the feed-forward block: on the CPU decode path the attention
+    block (sinks included) is one C call and the experts run as modules."""
 
     def __init__(self, a: GptOssArgs, index: int, pc: ParallelContext, dtype: torch.dtype, rotary: RotaryEmbedding,
                  quantization: str | None) -> None:
@@ -133,14 +134,8 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
         self.mlp = GptOssMoE(a, pc, dtype, quantization)
         self.input_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
-
-    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x)
-
-    def decode_blocks(self) -> DecoderBlocks:
-        attn = self.self_attn
-        return DecoderBlocks(self.input_layernorm, attn.qkv_proj, attn.q_norm, attn.k_norm, attn.rotary, attn.attn,
-                             attn.o_proj, self.post_attention_layernorm, None, None, self.feed_forward_block)
+        self.spec = DecoderLayerSpec(**self.self_attn.parts(), input_norm=self.input_layernorm,
+                                     feed_forward_norm=self.post_attention_layernorm, feed_forward=self.mlp)
 
 
 class GptOssForCausalLM(DenseCausalLM):

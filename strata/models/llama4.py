@@ -18,7 +18,7 @@ from strata.layers.moe import FusedMoE, expert_params_mapping
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
 from strata.models.base import CausalLM, ModelArgs
-from strata.models.dense_decoder import QKV_GATE_UP, PreNormDecoderLayer
+from strata.models.dense_decoder import QKV_GATE_UP
 from strata.models.llama import LlamaArgs
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,11 @@ class Llama4Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class Llama4DecoderLayer(PreNormDecoderLayer):
+class Llama4DecoderLayer(nn.Module):
+    """Pre-norm attention then a feed-forward block (MoE or MLP). Its own forward rather than a DecoderLayerSpec:
+    its attention is not the declared kind (NoPE layers without rotary, pairs rotated as complex numbers in float32,
+    weightless q/k norms after the rotation, a position-dependent temperature on global layers)."""
+
     def __init__(self, a: Llama4Args, index: int, pc: ParallelContext, dtype: torch.dtype,
                  quantization: str | None) -> None:
         super().__init__()
@@ -165,8 +169,15 @@ class Llama4DecoderLayer(PreNormDecoderLayer):
         self.input_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_eps, dtype)
 
-    def feed_forward_block(self, x: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(x)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.feed_forward(x), residual
 
 
 class Llama4ForCausalLM(CausalLM):

@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -224,11 +223,6 @@ class Llama4ForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
-
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta
-                      ) -> tuple[torch.Tensor, np.ndarray] | None:
-        """A decode step has no image tokens: the language model's (see CausalLM.decode_logits)."""
-        return self.language_model.decode_logits(input_ids, positions, meta)
 
     def collectives(self, step: StepSize) -> list[Collective]:
         """A step's collectives; the vision tower's come on top, per image, in the steps that encode one."""

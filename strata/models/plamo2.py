@@ -14,6 +14,7 @@ from strata.distributed import ParallelContext
 from strata.errors import ConfigError, UnsupportedModelError
 from strata.gguf.weights import GGUFTensor
 from strata.layers.attention import Attention, AttentionMetadata
+from strata.layers.decoder_layer import GatedMLP
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from strata.layers.mamba.mixer import ConvWeights, MambaBatch, MambaState, ShardedColumnLinear, sharded_param
@@ -21,7 +22,6 @@ from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models import loader
 from strata.models.base import CausalLM, CheckpointNames, ModelArgs
-from strata.models.dense_decoder import LlamaMLP
 
 # The checkpoint stores sandwich and final norms as offsets from these values; they are folded in at load.
 NORM_OFFSETS = {"pre_mixer_norm": 1.0, "post_mixer_norm": 0.2, "pre_mlp_norm": 1.0, "post_mlp_norm": 5 ** -1.5}
@@ -206,7 +206,7 @@ class Plamo2DecoderLayer(nn.Module):
             self.mixer = Plamo2MambaMixer(a, pc, dtype)
         else:
             self.mixer = Plamo2AttentionMixer(a, pc, dtype, layer)
-        self.mlp = LlamaMLP(a.hidden_size, a.intermediate_size, pc, dtype)
+        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, pc, dtype)
         for name in NORM_OFFSETS:
             setattr(self, name, RMSNorm(a.hidden_size, a.norm_eps, dtype))
 
