@@ -13,12 +13,12 @@ from strata.config import EngineConfig
 from strata.config.engine_args import EngineArgs
 from strata.errors import ConfigError
 from strata.layers.quantization import gguf_quants
-from strata.layers.quantization.gguf_method import GGUFMethod, Int8GGUFMethod
+from strata.layers.quantization.gguf_method import GGUFMethod
 
 
 def _gguf_layers(llm: LLM) -> list:
     model = llm.engine.executor.runner.model
-    return [m for m in model.modules() if isinstance(getattr(m, "quant", None), (GGUFMethod, Int8GGUFMethod))]
+    return [m for m in model.modules() if isinstance(getattr(m, "quant", None), GGUFMethod)]
 
 
 def test_int8_reaches_every_gguf_layer_and_its_products_round_x(gguf_tied_q4_1, caplog):
@@ -27,7 +27,7 @@ def test_int8_reaches_every_gguf_layer_and_its_products_round_x(gguf_tied_q4_1, 
     try:
         assert any("int8 activations" in r.getMessage() for r in caplog.records)
         layers = _gguf_layers(llm)
-        assert layers and all(isinstance(m.quant, Int8GGUFMethod) and m.quant.activations == "int8" for m in layers)
+        assert layers and all(m.quant.activations == "int8" for m in layers)
         layer = next(m for m in layers if hasattr(m, "in_range"))
         [w] = layer.quant.weights
         x = torch.randn(3, layer.quant.k, generator=torch.Generator().manual_seed(0))
@@ -35,11 +35,17 @@ def test_int8_reaches_every_gguf_layer_and_its_products_round_x(gguf_tied_q4_1, 
         int8 = gguf_quants.gguf_linear(x, w.data, w.ggml_type, layer.quant.k, activations="int8")
         exact = gguf_quants.gguf_linear(x, w.data, w.ggml_type, layer.quant.k)
         assert torch.equal(y, int8) and not torch.equal(y, exact)
-        out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4))
-        assert len(out[0].outputs[0].token_ids) == 4
-        backend = getattr(llm.engine.executor.runner, "cpu_decode", None)
-        if backend is not None:  # the fused decode path, which passes float kinds, served none of the steps
-            assert sum(backend.served.values()) == 0
+        params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+        fused = llm.generate(["hello"], params)[0].outputs[0]
+        runner = llm.engine.executor.runner
+        if runner.cpu_decode is not None:  # the decode steps in C calls take the int8 kinds too
+            assert sum(runner.cpu_decode.served.values()) >= 5
+            runner.cpu_decode = None  # then layer by layer through `apply`: the same products
+            modules = llm.generate(["hello"], params)[0].outputs[0]
+            assert fused.token_ids == modules.token_ids
+            for a, b in zip(fused.logprobs, modules.logprobs, strict=True):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     finally:
         llm.shutdown()
 

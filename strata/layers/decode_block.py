@@ -38,9 +38,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _blocks_linear(method: GGUFMethod, bias: torch.Tensor | None, keep: list) -> Linear:
     """A layer kept in ggml blocks: one weight, or pieces of several types whose outputs lie side by side."""
+    int8 = method.activations == "int8"  # x rounded to 8 bits: the small-batch kernels' int8 kinds, at any rows
     pieces = [Linear(n=w.rows, k=method.k, weight=w.data.data_ptr(), row_bytes=w.data.stride(0),
-                      kind=gguf_quants.kernel_kind(w.ggml_type),
-                      gemm_rows=_gemm_rows(method.small_rows[w.ggml_type]))
+                      kind=gguf_quants.kernel_kind(w.ggml_type, method.activations),
+                      gemm_rows=0 if int8 else _gemm_rows(method.small_rows[w.ggml_type]))
               for w in method._ready()]
     keep.extend(w.data for w in method._ready())
     if len(pieces) == 1:

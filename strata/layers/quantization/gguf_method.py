@@ -116,21 +116,6 @@ class GGUFMethod:
         return sum(p.data.nbytes for p in (self.weights or self.loaded))
 
 
-class Int8GGUFMethod:
-    """A GGUFMethod whose products take int8 activations. Deliberately not a GGUFMethod: the fused CPU decode path
-    (strata/layers/decode_block.py) describes GGUFMethod layers with float kernel kinds, so it declines these and
-    their decode steps run layer by layer through `apply`, never in float. Everything else is the inner method's."""
-
-    def __init__(self, inner: GGUFMethod) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.inner.apply(layer, x, bias)
-
-
 def _local_shape(layer: nn.Module) -> tuple[int, int]:
     if isinstance(layer, VocabParallelEmbedding):
         return layer.rows_per_rank, layer.hidden_size
@@ -171,8 +156,6 @@ def quantize_gguf(model: nn.Module, quant: GGUFQuantConfig, checkpoint_modules) 
             counts["float"] += 1
             continue
         method = GGUFMethod(module, name, quant.activations)
-        if quant.activations == "int8":
-            method = Int8GGUFMethod(method)
         module.weight = _block_param(method, module)
         module.quant = method
         counts["in blocks"] += 1
@@ -186,5 +169,5 @@ def quantize_gguf(model: nn.Module, quant: GGUFQuantConfig, checkpoint_modules) 
         if MXFP4 in quant.tensor_types.values():
             raise ConfigError("quantized_activations='int8' has no kernels for MXFP4 experts yet; use "
                               "quantized_activations='float'", param="quantized_activations")
-        logger.info("int8 activations (%s kernels) for every GGUF product, decode and prefill; the fused CPU decode "
-                    "path takes none of them yet: decode steps run layer by layer", cpu_matmul.int8_activations_set())
+        logger.info("int8 activations (%s kernels) for every GGUF product, decode (also in the fused CPU decode "
+                    "path) and prefill", cpu_matmul.int8_activations_set())
