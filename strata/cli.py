@@ -18,6 +18,18 @@ from strata.errors import StrataError
 from strata.server.tool_parsers import TOOL_CALL_PARSERS
 
 
+def _add_bench_verbs(bench: argparse._SubParsersAction) -> None:
+    add_throughput_args(bench.add_parser("throughput", help="offline throughput on random prompts"))
+    add_latency_args(bench.add_parser("latency", help="time per output token of one batch, and weight GB/s"))
+    add_perplexity_args(bench.add_parser("perplexity", help="perplexity of a text, as llama-perplexity computes it"))
+    add_kernels_args(bench.add_parser("kernels", help="CPU kernel choices measured here (--recalibrate)"))
+    add_speculative_args(bench.add_parser("speculative", help="tokens/s with and without speculative decoding on an "
+                                                              "input-grounded workload from Python's own source"))
+    add_embed_args(bench.add_parser("embed", help="sentences/s of an embedding model (vs sentence-transformers)"))
+    _add_bench_serve_args(bench.add_parser("serve", help="online serving benchmark against any OpenAI-compatible "
+                                                         "server"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description=__doc__)
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
@@ -63,17 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "llama4_pythonic (Llama 4), hermes (Qwen, Hermes), mistral, granite, openai (gpt-oss)")
     EngineArgs.add_cli_args(serve)
 
-    bench = verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    add_throughput_args(bench.add_parser("throughput", help="offline throughput on random prompts"))
-    add_latency_args(bench.add_parser("latency", help="time per output token of one batch, and weight GB/s"))
-    add_perplexity_args(bench.add_parser("perplexity", help="perplexity of a text, as llama-perplexity computes it"))
-    add_kernels_args(bench.add_parser("kernels", help="CPU kernel choices measured here (--recalibrate)"))
-    add_speculative_args(bench.add_parser("speculative", help="tokens/s with and without speculative decoding on an "
-                                                              "input-grounded workload from Python's own source"))
-    add_embed_args(bench.add_parser("embed", help="sentences/s of an embedding model (vs sentence-transformers)"))
-    bench_serve = bench.add_parser("serve", help="online serving benchmark against any OpenAI-compatible server")
-    _add_bench_serve_args(bench_serve)
-
+    _add_bench_verbs(verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True))
     plan = verbs.add_parser("plan", help="show the per-rank layout of a TP x PP plan without starting workers")
     plan.add_argument("model", help="checkpoint folder, .gguf file or Hub ID")
     EngineArgs.add_cli_args(plan)

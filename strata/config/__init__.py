@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -12,8 +11,15 @@ from typing import Any
 import torch
 
 from strata.config import model_registry as registry
+from strata.config.device import (
+    DTYPES,
+    cpu_has_native_bfloat16,
+    kernels_for_model,
+    parse_dtype,
+    resolve_device,
+    resolve_kernels,
+)
 from strata.config.engine_args import (
-    KERNELS,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     QUANTIZED_ACTIVATIONS,
@@ -35,26 +41,6 @@ from strata.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
-    if dtype not in _DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}", param="dtype")
-    return _DTYPES[dtype]
-
-
-def cpu_has_native_bfloat16() -> bool:
-    """Whether oneDNN computes bfloat16 natively here (AVX-512 BF16 / AMX); elsewhere bfloat16 GEMMs are
-    emulated, about five times slower than float32."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def auto_compute_dtype(model: ModelConfig, dtype: str | torch.dtype, device: str) -> ModelConfig:
     """`dtype=auto` for a bfloat16 checkpoint on a CPU without native bfloat16 computes in float32 with its
     linear weights and embedding tables kept in bfloat16 (`weight_dtype`: the checkpoint's memory, half the bytes
@@ -67,44 +53,6 @@ def auto_compute_dtype(model: ModelConfig, dtype: str | torch.dtype, device: str
                 "tables kept in bfloat16 (widened by the kernels); pass dtype=bfloat16 to compute in bfloat16, "
                 "dtype=float32 to store float32 weights")
     return dataclasses.replace(model, dtype=torch.float32, weight_dtype=torch.bfloat16)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' was asked for but no CUDA device is available", param="device")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ConfigError(f"device {device!r} must be auto, cpu or cuda", param="device")
-    return torch.device(device)
-
-
-def resolve_kernels(kernels: str, device: str) -> str:
-    """"torch" or "triton" for the `kernels` option: auto takes Triton on CUDA. Triton on CPU runs only in
-    its interpreter, which is slow and meant for testing, so it must be asked for explicitly."""
-    if kernels not in KERNELS:
-        raise ConfigError(f"kernels {kernels!r} must be one of {', '.join(KERNELS)}", param="kernels")
-    on_cuda = resolve_device(device).type == "cuda"
-    has_triton = importlib.util.find_spec("triton") is not None
-    if kernels == "auto":
-        if on_cuda and not has_triton:
-            logger.warning("the triton package is missing: CUDA runs the slower plain-torch kernels")
-        return "triton" if on_cuda and has_triton else "torch"
-    if kernels == "triton" and not has_triton:
-        raise ConfigError("kernels='triton' needs the triton package (pip install triton)", param="kernels")
-    if kernels == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError("kernels='triton' on CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 in "
-                          "the environment before starting (slow; for testing), or use kernels='torch'",
-                          param="kernels")
-    return kernels
-
-
-def kernels_for_model(option: str, resolved: str, text: HFConfig) -> str:
-    """The kernels a model runs on, given the resolved choice: today always that choice, as the Triton attention
-    kernels follow every attention option a model sets (windows, attention chunks, logit soft-capping, sinks).
-    The one place a model the Triton kernels would compute wrongly is to fall back (`auto`) or be refused."""
-    del option, text  # no model needs a fallback today
-    return resolved
 
 
 def resolve_source(args: EngineArgs) -> ModelSource:
@@ -235,10 +183,10 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto (= the model dtype) | bfloat16
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
+        return model_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
     def ssm_state_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype if self.mamba_ssm_cache_dtype == "auto" else _DTYPES[self.mamba_ssm_cache_dtype]
+        return model_dtype if self.mamba_ssm_cache_dtype == "auto" else DTYPES[self.mamba_ssm_cache_dtype]
 
 
 @dataclass(frozen=True)

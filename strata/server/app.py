@@ -154,8 +154,7 @@ def served_limits(engine: AsyncEngine, auto_tool_choice: bool) -> ServedLimits:
 def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate: Gate | None = None) -> FastAPI:
     """The HTTP app over a running engine; `args` are `strata serve`'s (api_key, disable_log_requests,
     max_waiting_requests, max_request_bytes); `gate` is shared with whoever drains the server."""
-    config = engine.config
-    names = list(config.served_model_names)
+    config, names = engine.config, list(engine.config.served_model_names)
     metrics = ServerMetrics(engine, names[0])
     log_requests = not getattr(args, "disable_log_requests", False)
     completions = CompletionServing(engine, metrics, log_requests)
@@ -164,8 +163,8 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
                        allow_remote_media=getattr(args, "allow_remote_media", False),
                        tool_call_parser=auto_tool_parser(args))
 
-    app = FastAPI(title="strata", version=__version__,
-                  description="OpenAI-compatible API (with vLLM's extra fields) of one strata engine.")
+    app = FastAPI(title="strata", version=__version__, description="OpenAI-compatible API (with vLLM's extra fields) "
+                  "of one strata engine.")
     gate = gate or Gate(getattr(args, "max_request_bytes", None), getattr(args, "max_waiting_requests", None))
     gate.running = lambda: engine.stats()["running"]
     app.add_middleware(GateMiddleware, gate=gate)
@@ -203,13 +202,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
             is_chat = False  # the completions parser reports what is wrong with the body
         return await (create_chat_completion if is_chat else create_completion)(request)
 
-    @v1.post("/embeddings", include_in_schema=False)
-    async def embeddings() -> Response:
-        raise RequestError("/v1/embeddings needs an embedding model: this server runs a generative model. Serve an "
-                           "encoder checkpoint (e.g. BertModel) with `strata serve MODEL --runner pooling`; turning "
-                           "a generative model into an embedder (--convert embed) is not supported yet",
-                           param="model")
-
+    _refuse_embeddings(v1)
     app.include_router(v1)
     _add_plain_routes(app, engine, metrics, chat)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
@@ -218,6 +211,15 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
                     served_limits(engine, chat.tool_call_parser is not None),
                     bearer_auth=bool(getattr(args, "api_key", None)))
     return app
+
+
+def _refuse_embeddings(v1: APIRouter) -> None:
+    @v1.post("/embeddings", include_in_schema=False)
+    async def embeddings() -> Response:
+        raise RequestError("/v1/embeddings needs an embedding model: this server runs a generative model. Serve an "
+                           "encoder checkpoint (e.g. BertModel) with `strata serve MODEL --runner pooling`; turning "
+                           "a generative model into an embedder (--convert embed) is not supported yet",
+                           param="model")
 
 
 def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, chat: ChatServing) -> None:
