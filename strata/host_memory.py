@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 
 import torch
 
@@ -36,31 +37,31 @@ def keep_freed_host_memory() -> bool:
     return done
 
 
-# Transparent huge pages: madvise(MADV_HUGEPAGE) on Linux; tensors under this size keep 4 KiB pages (the 2 MiB
-# alignment would waste more than the pages save).
-_MADV_HUGEPAGE = 14
+# Transparent huge pages: tensors under this size keep the heap's 4 KiB pages (a mapping of their own, aligned to
+# 2 MiB, would waste more than the pages save).
 _HUGE_PAGE = 2 << 20
 _HUGE_PAGE_MIN_BYTES = 8 << 20
 
 
 def huge_page_zeros(rows: int, row_bytes: int) -> torch.Tensor:
     """A zeroed uint8 [rows, row_bytes] tensor for a large weight that decode steps stream through, on 2 MiB pages
-    where the kernel grants them (THP `madvise` or `always`), asked for before the pages are first touched.
+    where the kernel grants them (THP `madvise` or `always`).
 
     A decode step reads every weight once and the TLB then misses every 4 KiB: on 2 Xeon cores Gemma 3 270M's
-    168 MB Q8_0 LM head was read at 16 GB/s on 4 KiB pages and 22 GB/s on 2 MiB ones. Where madvise is missing or
-    refused the tensor simply keeps small pages."""
+    168 MB Q8_0 LM head was read at 16 GB/s on 4 KiB pages and 22 GB/s on 2 MiB ones. The memory is a fresh
+    anonymous mapping, asked for huge pages before anything touches it: heap memory (all of it, once
+    `keep_freed_host_memory` is on) may be reused pages already faulted in small. The tensor keeps the mapping
+    alive. Where madvise is missing or refused the tensor simply keeps small pages."""
     nbytes = rows * row_bytes
     if nbytes < _HUGE_PAGE_MIN_BYTES:
         return torch.zeros(rows, row_bytes, dtype=torch.uint8)
-    buffer = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    # private and anonymous (a shared one would be shmem, which THP leaves alone): zero-filled on first touch
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
     skip = -buffer.data_ptr() % _HUGE_PAGE
-    tensor = buffer[skip:skip + nbytes]
-    try:
-        madvise = ctypes.CDLL(None).madvise
-        madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-        if madvise(tensor.data_ptr(), nbytes, _MADV_HUGEPAGE) != 0:
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
+        except OSError:
             logger.debug("madvise(MADV_HUGEPAGE) refused; a %d-byte weight keeps 4 KiB pages", nbytes)
-    except (OSError, AttributeError):
-        logger.debug("no madvise in this C library; weights keep 4 KiB pages")
-    return tensor.zero_().view(rows, row_bytes)
+    return buffer[skip:skip + nbytes].view(rows, row_bytes)

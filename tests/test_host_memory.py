@@ -69,7 +69,11 @@ def _huge_kib_of(start: int, end: int) -> int:
 def test_a_large_weight_buffer_is_zeroed_2mib_aligned_and_on_huge_pages_where_the_kernel_grants_them():
     import torch
 
-    from strata.host_memory import huge_page_zeros
+    from strata.host_memory import huge_page_zeros, keep_freed_host_memory
+
+    keep_freed_host_memory()  # as an engine runs: freed heap memory is reused, already faulted in small
+    churn = [torch.ones(4 << 20) for _ in range(8)]  # 128 MiB of heap touched, then freed for reuse
+    del churn
 
     small = huge_page_zeros(64, 1000)
     assert small.shape == (64, 1000) and small.dtype == torch.uint8 and not small.any()
@@ -78,4 +82,5 @@ def test_a_large_weight_buffer_is_zeroed_2mib_aligned_and_on_huge_pages_where_th
     assert large.data_ptr() % (2 << 20) == 0
     if _thp_mode() not in ("madvise", "always"):
         pytest.skip("transparent huge pages are off on this machine")
+    large.fill_(1)  # as a weight is written: the pages are faulted in now, as huge ones
     assert _huge_kib_of(large.data_ptr(), large.data_ptr() + large.nbytes) >= 8 << 10  # at least half of it

@@ -104,6 +104,7 @@ def _tp_rank_main(rank: int, port: int, folder: str, sequences: list, out: str) 
     from datetime import timedelta
 
     import torch.distributed as dist
+    from processes import leave_process_group
 
     from strata.config.hf_config import read_config_json
     from strata.executor.parallel import init_distributed
@@ -121,7 +122,7 @@ def _tp_rank_main(rank: int, port: int, folder: str, sequences: list, out: str) 
         pooled = pool(model(batch), batch.seq_lens, "mean")
     if rank == 0:
         torch.save(pooled, out)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 @pytest.mark.slow
