@@ -112,6 +112,19 @@ def requantize_all_but_experts(source, out):
     return out
 
 
+def write_dequantized(state: dict, blocked: list, folder) -> None:
+    """The checkpoint's tensors replaced by the file's Q8_0 blocks as gguf-py dequantizes them, saved in `folder`."""
+    import gguf
+
+    for tensor in blocked:
+        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        if tensor.name in ("token_embd.weight", "output.weight"):
+            state["model.embed_tokens.weight" if tensor.name == "token_embd.weight" else "lm_head.weight"] = values
+        else:
+            checkpoint_values(state, tensor.name, values)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def test_q8_0_matrices_with_float_experts_give_transformers_tokens_of_the_dequantized_weights(llama4, tmp_path):
     import gguf
 
@@ -121,13 +134,7 @@ def test_q8_0_matrices_with_float_experts_give_transformers_tokens_of_the_dequan
     state = load_file(str(dequantized / "model.safetensors"))
     blocked = [t for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0]
     assert len(blocked) == 2 + 4 * 4 + 2 * 3 + 2 * 3  # embedding, head; attention; dense MLPs; shared experts
-    for tensor in blocked:
-        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
-        if tensor.name in ("token_embd.weight", "output.weight"):
-            state["model.embed_tokens.weight" if tensor.name == "token_embd.weight" else "lm_head.weight"] = values
-        else:
-            checkpoint_values(state, tensor.name, values)
-    save_file(state, str(dequantized / "model.safetensors"), metadata={"format": "pt"})
+    write_dequantized(state, blocked, dequantized)
     assert_matches_transformers(strata_greedy(path, PROMPTS, MAX_TOKENS),
                                 transformers_greedy(dequantized, PROMPTS, MAX_TOKENS))
 
@@ -143,13 +150,7 @@ def test_q8_0_file_gives_transformers_tokens_of_its_dequantized_weights(llama4, 
     blocked = [t for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0]
     assert {t.name for t in blocked if "_exps" in t.name} == {f"blk.{n}.ffn_{p}_exps.weight" for n in (1, 3)
                                                                for p in ("gate", "up", "down")}
-    for tensor in blocked:
-        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
-        if tensor.name in ("token_embd.weight", "output.weight"):
-            state["model.embed_tokens.weight" if tensor.name == "token_embd.weight" else "lm_head.weight"] = values
-        else:
-            checkpoint_values(state, tensor.name, values)
-    save_file(state, str(dequantized / "model.safetensors"), metadata={"format": "pt"})
+    write_dequantized(state, blocked, dequantized)
     assert_matches_transformers(strata_greedy(path, PROMPTS, MAX_TOKENS),
                                 transformers_greedy(dequantized, PROMPTS, MAX_TOKENS))
 
