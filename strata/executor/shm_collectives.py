@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strata.kernels.cpu import collectives
+from strata.kernels.cpu import collectives, cpu_kernels_apply
 from strata.kernels.cpu.abi import SHM_HEADER_BYTES as _HEADER_BYTES
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class SharedMemoryGroup:
         """Sums `x` in place over the group (bfloat16 in float32, rounded once); False (nothing done) for
         tensors it does not handle."""
         reduce = self.reducers.get(x.dtype)
-        if reduce is None or x.device.type != "cpu" or not x.is_contiguous():
+        if reduce is None or not cpu_kernels_apply(x) or not x.is_contiguous():
             return False
         status = reduce(self.base, self.rank, self.size, _SLOT_BYTES, ctypes.byref(self.op), x.data_ptr(), x.numel(),
                         self.timeout_s)
@@ -102,7 +102,7 @@ class SharedMemoryGroup:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor | None:
         """[size, *x.shape]: every rank's `x` in rank order; None for tensors it does not handle."""
-        if x.device.type != "cpu" or x.numel() == 0:
+        if not cpu_kernels_apply(x) or x.numel() == 0:
             return None
         x = x.contiguous()
         out = torch.empty((self.size, *x.shape), dtype=x.dtype)

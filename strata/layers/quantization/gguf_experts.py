@@ -15,7 +15,7 @@ from strata.config.quant_config import GGUFQuantConfig
 from strata.errors import ConfigError
 from strata.gguf import types
 from strata.gguf.weights import GGUFTensor
-from strata.kernels.cpu import crossovers
+from strata.kernels.cpu import cpu_kernels_apply, crossovers
 from strata.layers.moe import DOWN, GATE, UP, FusedMoE
 from strata.layers.quantization import gguf_quants
 
@@ -96,7 +96,7 @@ class GGUFExpertsMethod:
             return
         self.activation, self.finished = moe.activation, True
         for product in self.products.values():
-            if product.data.device.type == "cpu":  # measured once (and cached) per type and shape
+            if cpu_kernels_apply(product.data):  # measured once (and cached) per type and shape
                 operands = {"weight": product.data[0], "kind": gguf_quants.kernel_kind(product.ggml_type),
                             "out_features": product.data.shape[1]}
                 product.small_rows = crossovers.choose(operands, product.k)

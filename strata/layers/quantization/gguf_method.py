@@ -16,7 +16,7 @@ from strata.gguf import types
 from strata.gguf.types import MXFP4
 from strata.gguf.weights import GGUFTensor
 from strata.host_memory import huge_page_zeros
-from strata.kernels.cpu import crossovers
+from strata.kernels.cpu import cpu_kernels_apply, crossovers
 from strata.kernels.cpu import matmul as cpu_matmul
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
@@ -85,7 +85,7 @@ class GGUFMethod:
         self.weights, self.loaded = pieces, []
         for p in pieces:
             rows = crossovers.SMALL_BATCH_GGUF
-            if p.data.device.type == "cpu":  # measured once (and cached) per type and shape
+            if cpu_kernels_apply(p.data):  # measured once (and cached) per type and shape
                 operands = {"weight": p.data, "kind": gguf_quants.kernel_kind(p.ggml_type), "out_features": p.rows}
                 rows = crossovers.choose(operands, self.k)
             self.small_rows[p.ggml_type] = rows

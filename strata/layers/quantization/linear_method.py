@@ -13,7 +13,7 @@ from torch import nn
 from strata.config.quant_config import FP8, INT8_W8A8, GGUFQuantConfig, LinearScheme, MXFP4QuantConfig, QuantConfig
 from strata.errors import ConfigError
 from strata.gguf import types as gguf_types
-from strata.kernels.cpu import crossovers
+from strata.kernels.cpu import cpu_kernels_apply, crossovers
 from strata.kernels.cpu.crossovers import SMALL_BATCH_WEIGHT_ONLY
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
@@ -72,7 +72,7 @@ class QuantizedLinearMethod:
         self._choose_kernels()
 
     def _choose_kernels(self) -> None:
-        if self.weight.packed.device.type == "cpu":  # measured once (and cached) per kind and shape
+        if cpu_kernels_apply(self.weight.packed):  # measured once (and cached) per kind and shape
             self.small_rows = crossovers.choose(kernel_operands(self.weight), self.weight.in_features)
 
     def apply(self, layer: PackableLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

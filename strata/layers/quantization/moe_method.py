@@ -13,7 +13,7 @@ from torch import nn
 
 from strata.config.quant_config import AWQ, GPTQ, PACKED, LinearScheme
 from strata.errors import ConfigError
-from strata.kernels.cpu import crossovers
+from strata.kernels.cpu import cpu_kernels_apply, crossovers
 from strata.kernels.cpu.crossovers import SMALL_BATCH_WEIGHT_ONLY
 from strata.layers.activation import silu_and_mul
 from strata.layers.moe import DOWN, GATE, FusedMoE
@@ -97,7 +97,7 @@ class QuantizedExpertsMethod:
         for proj, suffixes in names.items():
             for suffix in suffixes:
                 delattr(moe, f"{proj}_{suffix}")
-        if self.gate_up and self.gate_up[0].packed.device.type == "cpu":  # measured (and cached) per kind and shape
+        if self.gate_up and cpu_kernels_apply(self.gate_up[0].packed):  # measured (and cached) per kind and shape
             self.small_rows = tuple(crossovers.choose(kernel_operands(w[0]), w[0].in_features)
                                     for w in (self.gate_up, self.down))
 
