@@ -73,6 +73,20 @@ def checkpoint_values(state: dict, name: str, values: torch.Tensor) -> None:
         state[f"model.layers.{layer}.{LAYER_NAMES[kind]}.weight"] = values
 
 
+def write_dequantized(state: dict, blocked: list, folder) -> None:
+    """The checkpoint's tensors replaced by the file's (F16 or Q8_0 blocks, as gguf-py reads them), saved in
+    `folder`."""
+    import gguf
+
+    for tensor in blocked:
+        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        if tensor.name in ("token_embd.weight", "output.weight"):
+            state["model.embed_tokens.weight" if tensor.name == "token_embd.weight" else "lm_head.weight"] = values
+        else:
+            checkpoint_values(state, tensor.name, values)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def test_f16_file_gives_transformers_tokens_of_its_f16_weights(llama4, tmp_path):
     """Experts F16 in the file, float in strata; every other matrix in F16 blocks."""
     import gguf
@@ -83,13 +97,7 @@ def test_f16_file_gives_transformers_tokens_of_its_f16_weights(llama4, tmp_path)
     state = load_file(str(rounded / "model.safetensors"))
     halves = [t for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type == gguf.GGMLQuantizationType.F16]
     assert any("_exps" in t.name for t in halves)
-    for tensor in halves:
-        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
-        if tensor.name == "token_embd.weight" or tensor.name == "output.weight":
-            state["model.embed_tokens.weight" if tensor.name == "token_embd.weight" else "lm_head.weight"] = values
-        else:
-            checkpoint_values(state, tensor.name, values)
-    save_file(state, str(rounded / "model.safetensors"), metadata={"format": "pt"})
+    write_dequantized(state, halves, rounded)
     assert_matches_transformers(strata_greedy(path, PROMPTS, MAX_TOKENS),
                                 transformers_greedy(rounded, PROMPTS, MAX_TOKENS))
 
@@ -110,19 +118,6 @@ def requantize_all_but_experts(source, out):
                                                 n_bytes=data.nbytes)
     copy_with_new_metadata(reader, writer, {}, ())
     return out
-
-
-def write_dequantized(state: dict, blocked: list, folder) -> None:
-    """The checkpoint's tensors replaced by the file's Q8_0 blocks as gguf-py dequantizes them, saved in `folder`."""
-    import gguf
-
-    for tensor in blocked:
-        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
-        if tensor.name in ("token_embd.weight", "output.weight"):
-            state["model.embed_tokens.weight" if tensor.name == "token_embd.weight" else "lm_head.weight"] = values
-        else:
-            checkpoint_values(state, tensor.name, values)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def test_q8_0_matrices_with_float_experts_give_transformers_tokens_of_the_dequantized_weights(llama4, tmp_path):
