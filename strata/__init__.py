@@ -10,6 +10,7 @@ from strata.errors import (
     StrataError,
     UnsupportedModelError,
 )
+from strata.lora.request import LoRARequest
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
 from strata.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -25,6 +26,6 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "StrataError", "ConfigError", "UnsupportedModelError", "RequestError", "NotFoundError", "AuthError",
-           "EngineDeadError"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob", "StrataError", "ConfigError", "UnsupportedModelError", "RequestError", "NotFoundError",
+           "AuthError", "EngineDeadError"]

@@ -15,6 +15,7 @@ from strata.bench.throughput import add_throughput_args
 from strata.cli_common import finish_parser, log_level, parse_command_line, warn_ignored_flags
 from strata.config.engine_args import EngineArgs, byte_size
 from strata.errors import StrataError
+from strata.server.lora_modules import parse_lora_module
 from strata.server.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how tool calls are found in model output: llama3_json (Llama 3.1/3.2), "
                             "llama4_pythonic (Llama 4), hermes (Qwen, Hermes), mistral, granite, openai (gpt-oss)")
+    serve.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                       help="LoRA adapters served as model names (needs --enable-lora): name=path, or vLLM's JSON "
+                            "form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
     EngineArgs.add_cli_args(serve)
 
     _add_bench_verbs(verbs.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True))

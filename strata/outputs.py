@@ -77,3 +77,37 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # softmax / sigmoid of the logits, as vLLM applies them (logits with use_activation=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What LLM.classify returns per input, shaped as vLLM's: `out.outputs.probs`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What LLM.score returns per pair, shaped as vLLM's: `out.outputs.score`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

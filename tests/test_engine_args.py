@@ -29,6 +29,10 @@ NON_DEFAULTS = {
     "download_dir": ("/tmp/hub", "/tmp/hub"), "hf_token": ("hf_x", "hf_x"), "gguf_file": ("m.gguf", "m.gguf"),
     "speculative_config": ({"method": "ngram", "num_speculative_tokens": 3},
                            '{"method": "ngram", "num_speculative_tokens": 3}'),
+    "hf_overrides": ({"is_matryoshka": True}, '{"is_matryoshka": true}'),
+    "limit_mm_per_prompt": ({"image": 2}, '{"image": 2}'), "mm_processor_cache_gb": (0.5, "0.5"),
+    "max_image_pixels": (1000, "1000"),
+    "enable_lora": (False, None), "max_loras": (4, "4"), "max_lora_rank": (64, "64"), "max_cpu_loras": (8, "8"),
 }
 VERBS = {"serve": ["serve", "m"], "bench throughput": ["bench", "throughput", "--model", "m"], "plan": ["plan", "m"]}
 

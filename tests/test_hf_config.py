@@ -9,7 +9,7 @@ import pytest
 
 from strata.cli import main
 from strata.config import ModelConfig
-from strata.config.hf_config import read_config_json
+from strata.config.hf_config import HFConfig, apply_hf_overrides, read_config_json
 from strata.errors import ConfigError
 
 
@@ -51,3 +51,22 @@ def test_the_command_line_reports_it_in_one_line_and_exits_2(broken, caplog, cap
     assert len(errors) == 1 and errors[0].exc_info is None
     assert "config.json is not valid JSON" in errors[0].getMessage()
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_hf_overrides_are_applied_before_the_architecture_is_read(llama_tied):
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "is_matryoshka": True}
+    config = ModelConfig.from_path(str(llama_tied), hf_overrides=overrides)
+    assert config.architecture == "Qwen3ForSequenceClassification"
+    assert config.hf_config.is_matryoshka is True and config.hf_config.hidden_size == 64
+
+
+def test_hf_overrides_update_a_nested_section_key_by_key_and_replace_other_values():
+    config = HFConfig({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "architectures": ["A"]})
+    got = apply_hf_overrides(config, {"rope_scaling": {"factor": 2.0}, "architectures": ["B"], "new": 1})
+    assert got.to_dict() == {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}, "architectures": ["B"], "new": 1}
+    assert config.to_dict()["rope_scaling"]["factor"] == 4.0  # the original is left as it was
+
+
+def test_hf_overrides_must_be_an_object(llama_tied):
+    with pytest.raises(ConfigError, match="hf_overrides must be a JSON object"):
+        ModelConfig.from_path(str(llama_tied), hf_overrides=["is_matryoshka"])

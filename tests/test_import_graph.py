@@ -24,7 +24,7 @@ LEVELS: list[tuple[str, list[str]]] = [
     ("leaf modules", ["strata.distributed", "strata.config", "strata.sampling_params", "strata.errors",
                       "strata.outputs", "strata.tokenizer", "strata.plamo2_tokenizer", "strata.host_memory",
                       "strata.demo", "strata.model_source", "strata.hub", "strata.reasoning", "strata.gguf",
-                      "strata.harmony"]),
+                      "strata.harmony", "strata.lora"]),
 ]
 
 

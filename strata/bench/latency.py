@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.bench.lora import add_lora_bench_args, bench_lora_requests, decode_path_line
 from strata.bench.throughput import random_prompts
 from strata.config.engine_args import EngineArgs, engine_kwargs
 from strata.sampling_params import SamplingParams
@@ -31,6 +32,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=3,
                         help="timed runs; the best of them and their mean are both printed")
     parser.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    add_lora_bench_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
@@ -69,15 +71,15 @@ def torch_matmul_gflops(size: int = 2048, repeats: int = 3) -> float:
     return 2 * size ** 3 / best / 1e9
 
 
-def prefill_seconds(llm, prompt_sets: list[list[list[int]]]) -> list[float]:
+def prefill_seconds(llm, prompt_sets: list[list[list[int]]], loras: list | None = None) -> list[float]:
     """The times to the first token of prompt sets never seen before (the prefix cache holds none)."""
-    return [_timed(llm, prompts, 1) for prompts in prompt_sets]
+    return [_timed(llm, prompts, 1, loras) for prompts in prompt_sets]
 
 
-def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
+def _timed(llm, prompts: list[list[int]], max_tokens: int, loras: list | None = None) -> float:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - started
     if any(len(o.outputs[0].token_ids) != max_tokens for o in outs):
         raise RuntimeError(f"expected {max_tokens} output tokens per prompt")
@@ -103,12 +105,14 @@ class Timings:
         return (statistics.mean(self.latencies) - statistics.mean(self.first_token)) / max(1, self.output_len - 1)
 
 
-def measure(llm, prompts: list[list[int]], output_len: int, warmup: int, iters: int) -> Timings:
-    """`iters` full runs after `warmup` untimed ones, and `iters` runs of one output token."""
+def measure(llm, prompts: list[list[int]], output_len: int, warmup: int, iters: int, loras: list | None = None
+            ) -> Timings:
+    """`iters` full runs after `warmup` untimed ones, and `iters` runs of one output token (each prompt with its
+    LoRA adapter of `loras`)."""
     for _ in range(warmup):
-        _timed(llm, prompts, output_len)
-    latencies = [_timed(llm, prompts, output_len) for _ in range(iters)]
-    return Timings(latencies, [_timed(llm, prompts, 1) for _ in range(iters)], output_len)
+        _timed(llm, prompts, output_len, loras)
+    latencies = [_timed(llm, prompts, output_len, loras) for _ in range(iters)]
+    return Timings(latencies, [_timed(llm, prompts, 1, loras) for _ in range(iters)], output_len)
 
 
 def _on_cuda(device: str) -> bool:
@@ -165,12 +169,14 @@ def run_latency(args: argparse.Namespace) -> int:
     prompts = random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed, avoid=model.eos_token_ids)
     nbytes = weight_bytes(args)
     read_loop = None if _on_cuda(args.device) else read_loop_bandwidth()
+    loras = bench_lora_requests(args, len(prompts))
     llm = LLM(args.model, **engine_kwargs(args))
     try:
-        timings = measure(llm, prompts, args.output_len, args.num_iters_warmup, args.num_iters)
+        timings = measure(llm, prompts, args.output_len, args.num_iters_warmup, args.num_iters, loras)
         fresh = [random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed + 1 + i,
                                 avoid=model.eos_token_ids) for i in range(args.num_iters)]
-        ttfts = prefill_seconds(llm, fresh)
+        ttfts = prefill_seconds(llm, fresh, loras)
+        sys.stdout.write(decode_path_line(llm, loras))
         if llm.engine.spec is not None:  # --speculative-config: how the drafts fared
             sys.stdout.write(llm.engine.spec.stats.summary() + "\n")
         if read_loop is not None:

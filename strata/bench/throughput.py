@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from strata.bench.lora import add_lora_bench_args, bench_lora_requests, decode_path_line
 from strata.config.engine_args import EngineArgs, engine_kwargs
 from strata.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -28,6 +29,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                              "records), a file or inline JSON")
     parser.add_argument("--backend", default="strata", choices=["strata", "hf"],
                         help="hf: transformers generate() with one static batch, as a baseline")
+    add_lora_bench_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
@@ -42,6 +44,7 @@ def _bench_strata(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[f
     from strata.bench.activations import activations_line
     from strata.llm import LLM
 
+    loras = bench_lora_requests(args, len(prompts))
     started = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
     warm = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2), use_tqdm=False)
@@ -50,15 +53,16 @@ def _bench_strata(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[f
     schema = _json_schema(getattr(args, "json_schema", None))
     sys.stdout.write(activations_line(llm))
     if schema is None:
-        elapsed, _ = _timed_run(llm, prompts, args.output_len, None)
+        elapsed, _ = _timed_run(llm, prompts, args.output_len, None, loras)
+        sys.stdout.write(decode_path_line(llm, loras))
         if llm.engine.spec is not None:  # --speculative-config: how the drafts fared
             sys.stdout.write(llm.engine.spec.stats.summary() + "\n")
         llm.shutdown()
         return elapsed, load_to_first_token
     constraint = StructuredOutputsParams(json=schema)
     sys.stdout.write(structured_figures(llm, constraint, prompts))  # also warms every batch shape up
-    plain, _ = _timed_run(llm, prompts, args.output_len, None)
-    elapsed, _ = _timed_run(llm, prompts, args.output_len, constraint)
+    plain, _ = _timed_run(llm, prompts, args.output_len, None, loras)
+    elapsed, _ = _timed_run(llm, prompts, args.output_len, constraint, loras)
     filler = llm.engine.grammars.filler
     sys.stdout.write(f"Unconstrained run in the same engine: {plain:.2f} s; constrained: {elapsed:.2f} s "
                      f"({plain / elapsed:.2f}x the unconstrained throughput); bitmask fill "
@@ -68,13 +72,14 @@ def _bench_strata(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[f
     return elapsed, load_to_first_token
 
 
-def _timed_run(llm: Any, prompts: list[list[int]], output_len: int, constraint: StructuredOutputsParams | None
-               ) -> tuple[float, int]:
-    """Seconds for every prompt to produce output_len tokens (each under `constraint` when given)."""
+def _timed_run(llm: Any, prompts: list[list[int]], output_len: int, constraint: StructuredOutputsParams | None,
+               loras: list | None = None) -> tuple[float, int]:
+    """Seconds for every prompt to produce output_len tokens (each under `constraint` when given, each with its
+    LoRA adapter of `loras`)."""
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True,
                             structured_outputs=constraint)
     started = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True, lora_request=loras)
     elapsed = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != output_len * len(prompts):  # a schema that lets JSON end early would compare unlike work

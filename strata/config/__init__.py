@@ -26,8 +26,10 @@ from strata.config.engine_args import (
     SSM_STATE_DTYPES,
     EngineArgs,
 )
-from strata.config.hf_config import HFConfig, read_config_json
+from strata.config.hf_config import HFConfig, apply_hf_overrides, read_config_json
 from strata.config.layout_rules import check_nodes, check_pp
+from strata.config.lora_config import LoRAConfig, lora_config
+from strata.config.multimodal_config import MultiModalConfig, multimodal_config
 from strata.config.pooling_config import resolve_runner
 from strata.config.quant_config import GGUFQuantConfig, QuantConfig, parse_quant_config
 from strata.config.speculative_config import SpeculativeConfig, check_target, parse_speculative_config
@@ -122,8 +124,9 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: str | ModelSource, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                  quantization: str | None = None) -> ModelConfig:
-        """From a local checkpoint folder, or a resolved ModelSource (see strata.model_source.resolve_model)."""
+                  quantization: str | None = None, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """From a local checkpoint folder, or a resolved ModelSource (see strata.model_source.resolve_model);
+        `hf_overrides` (vLLM's) are merged into its config before anything reads it."""
         source = path if isinstance(path, ModelSource) else ModelSource(str(path), str(path))
         folder = Path(source.folder)
         gguf_quant = None
@@ -133,6 +136,7 @@ class ModelConfig:
             raise ConfigError(f"model {source.model!r} is not a folder with a config.json", param="model")
         else:
             hf = read_config_json(folder / "config.json")
+        hf = apply_hf_overrides(hf, hf_overrides)
         architecture = registry.architecture_of(hf)
         text = hf.get("text_config") or hf
         checkpoint_dtype = hf.get("torch_dtype", hf.get("dtype", text.get("torch_dtype", text.get("dtype"))))
@@ -220,6 +224,8 @@ class EngineConfig:
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding, when asked for
     runner: str = "generate"  # "generate", or "pooling" (embeddings; strata.engine.pooling_engine)
+    lora: LoRAConfig | None = None  # LoRA adapters served beside the base model (None: off, no LoRA weights)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)  # image limits and cache
 
     @classmethod
     def create(cls, model: str, *, served_model_name: str | list[str] | None = None,
@@ -234,7 +240,8 @@ class EngineConfig:
         """The engine's configuration, every option checked: an impossible one is refused before any process
         starts. `served_model_name` (default: the model path) and `chat_template` are the front end's."""
         _check_options(args)  # before a download, which may take long
-        model_config = ModelConfig.from_path(resolve_source(args), args.dtype, args.max_model_len, args.quantization)
+        model_config = ModelConfig.from_path(resolve_source(args), args.dtype, args.max_model_len, args.quantization,
+                                             args.hf_overrides)
         model_config = auto_compute_dtype(model_config, args.dtype, args.device)
         model_config = with_quantized_activations(model_config, args.quantized_activations)
         parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.pp_layer_partition,
@@ -254,6 +261,12 @@ class EngineConfig:
                             enable_prefix_caching, args.mamba_ssm_cache_dtype, args.kv_cache_dtype)
         max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
         scheduler = SchedulerConfig(args.max_num_seqs, max_num_batched_tokens, model_config.max_model_len)
+        if model_config.architecture == "Gemma3ForConditionalGeneration":  # an image's tokens go in one chunk
+            image_tokens = model_config.hf_config.get("mm_tokens_per_image", 256)
+            if max_num_batched_tokens < image_tokens:
+                raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens} is below the {image_tokens} "
+                                  "tokens of one Gemma 3 image, which are prefilled together (they attend to each "
+                                  "other)", param="max_num_batched_tokens")
         if isinstance(served_model_name, str):
             served_model_name = [served_model_name]
         names = tuple(served_model_name or [args.model])
@@ -262,10 +275,17 @@ class EngineConfig:
         speculative = parse_speculative_config(args.speculative_config)
         if speculative is not None:
             check_target(speculative, _architecture_name(model_config), hybrid, model_config.max_model_len)
-        runner = resolve_runner(args.runner, args.convert, model_config.architecture, model_config.info.is_encoder)
+        runner = resolve_runner(args.runner, args.convert, model_config.architecture,
+                               model_config.info.pooling_only)
         config = cls(model_config, parallel, cache, scheduler, args.device, args.seed, names, chat_template,
                      kernels_for_model(args.kernels, resolve_kernels(args.kernels, args.device),
-                                       model_config.text_config), structured, speculative, runner)
+                                       model_config.text_config), structured, speculative, runner,
+                     lora_config(bool(args.enable_lora), args.max_loras, args.max_lora_rank, args.max_cpu_loras),
+                     multimodal_config(args.limit_mm_per_prompt, args.mm_processor_cache_gb, args.max_image_pixels,
+                                       model_config.info.is_multimodal))
+        if config.lora is not None and runner != "generate":
+            raise ConfigError("enable_lora serves adapters for text generation; the pooling runner does not take "
+                              "them", param="enable_lora")
         validate_parallel(config)
         return config
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from strata.config.multimodal_config import DEFAULT_MAX_IMAGE_PIXELS
 from strata.reasoning import REASONING_PARSERS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
@@ -18,7 +19,7 @@ QUANTIZATIONS = ("experts_int8", "compressed-tensors", "gptq", "awq", "fp8", "gg
 KERNELS = ("auto", "torch", "triton")
 QUANTIZED_ACTIVATIONS = ("float", "int8")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
-CONVERTS = ("none", "embed")  # vLLM's --convert (embed: refused for now)
+CONVERTS = ("none", "embed")  # vLLM's --convert
 
 
 def int_list(value: str) -> tuple[int, ...]:
@@ -117,12 +118,30 @@ class EngineArgs:
               "reasoning_content, and structured outputs constrain only the answer after it",
         choices=REASONING_PARSERS)
     runner: str = _option("auto", "generate (completions, chat) or pooling (/v1/embeddings, LLM.embed); auto: pooling "
-                                  "for encoder architectures (BertModel), else generate", choices=RUNNERS)
-    convert: str = _option("none", "turn a generative checkpoint into a pooling model (vLLM's --convert embed; not "
-                                   "supported yet)", choices=CONVERTS)
+                                  "for encoder architectures (BertModel), else generate; pooling on a generative "
+                                  "architecture converts it (--convert embed)", choices=RUNNERS)
+    convert: str = _option("none", "embed: serve a generative checkpoint (e.g. Qwen3-Embedding) as an embedding model, "
+                                   "its hidden states pooled as its sentence-transformers config says (default: last "
+                                   "token) and normalized", choices=CONVERTS)
+    hf_overrides: dict[str, Any] | None = _option(
+        None, 'keys merged into the model\'s config.json before it is read, as a JSON object, e.g. '
+              '{"is_matryoshka": true}, or for Qwen3-Reranker {"architectures": ["Qwen3ForSequenceClassification"], '
+              '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}', parse=json_object)
+    limit_mm_per_prompt: dict[str, Any] | None = _option(
+        None, 'most inputs of each modality in one prompt, as a JSON object, e.g. {"image": 2} (default: as many as '
+              'the context holds); strata takes images only, so video and audio may only be 0', parse=json_object)
+    mm_processor_cache_gb: float = _option(4.0, "GiB of decoded images kept for requests that send the same image "
+                                                "again (keyed by its bytes' digest; 0: no cache)")
+    max_image_pixels: int = _option(DEFAULT_MAX_IMAGE_PIXELS, "largest image (width x height) a request may send; "
+                                                              "larger ones are refused before decoding")
     speculative_config: dict[str, Any] | None = _option(
         None, 'speculative decoding as a JSON object (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "suffix"}', parse=json_object)
+    enable_lora: bool | None = _option(None, "serve LoRA adapters (PEFT folders) beside the base model; requests pick "
+                                             "one (LLM: lora_request=LoRARequest(...); server: --lora-modules)")
+    max_loras: int = _option(1, "LoRA adapters one step may use (each holds a slot in every targeted layer)")
+    max_lora_rank: int = _option(16, "largest LoRA rank served; adapters of a higher rank are refused")
+    max_cpu_loras: int | None = _option(None, "LoRA adapters kept loaded in host memory (default: max_loras)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

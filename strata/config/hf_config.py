@@ -47,3 +47,18 @@ def read_config_json(path: str | Path) -> HFConfig:
         raise ConfigError(f"{path} holds a JSON {type(values).__name__}, not an object ({{...}}) of settings",
                           param="model")
     return HFConfig(values)
+
+
+def apply_hf_overrides(config: HFConfig, overrides: dict[str, Any] | None) -> HFConfig:
+    """vLLM's `hf_overrides`: keys merged into the config before anything reads it (a dict given for a nested
+    `*_config` section updates that section's keys; any other value replaces the key's)."""
+    if not overrides:
+        return config
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"hf_overrides must be a JSON object of config.json keys, got {overrides!r}",
+                          param="hf_overrides")
+    values = config.to_dict()
+    for key, value in overrides.items():
+        section = values.get(key)
+        values[key] = {**section, **value} if isinstance(section, dict) and isinstance(value, dict) else value
+    return HFConfig(values)

@@ -25,6 +25,13 @@ class ModelInfo:
     # For multimodal checkpoints: the architecture of the language sub-model, whose capabilities count.
     text_architecture: str | None = None
     is_encoder: bool = False  # bidirectional, no KV cache: served by the pooling runner (embeddings)
+    # A decoder served only as a classifier (Qwen3ForSequenceClassification: the yes/no reranker), pooling runner.
+    is_classifier: bool = False
+
+    @property
+    def pooling_only(self) -> bool:
+        """Served by the pooling runner alone: it cannot generate text."""
+        return self.is_encoder or self.is_classifier
 
     def load_class(self) -> type:
         return getattr(importlib.import_module(self.module), self.class_name)
@@ -37,19 +44,29 @@ _MODELS: dict[str, ModelInfo] = {
                                                 is_multimodal=True, text_architecture="Llama4ForCausalLM"),
     "Mamba2ForCausalLM": ModelInfo("strata.models.mamba2", "Mamba2ForCausalLM", is_hybrid=True),
     "Qwen2ForCausalLM": ModelInfo("strata.models.dense_decoder", "Qwen2ForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ModelInfo("strata.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+                                                    is_multimodal=True, text_architecture="Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ModelInfo("strata.models.dense_decoder", "Qwen3ForCausalLM"),
+    "Qwen3ForSequenceClassification": ModelInfo("strata.models.dense_decoder", "Qwen3ForCausalLM", supports_pp=False,
+                                                is_classifier=True),
     "Qwen3MoeForCausalLM": ModelInfo("strata.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MistralForCausalLM": ModelInfo("strata.models.dense_decoder", "MistralForCausalLM"),
     "Phi3ForCausalLM": ModelInfo("strata.models.phi3", "Phi3ForCausalLM"),
     "GraniteForCausalLM": ModelInfo("strata.models.granite", "GraniteForCausalLM"),
     "Gemma2ForCausalLM": ModelInfo("strata.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ModelInfo("strata.models.gemma", "Gemma3ForCausalLM"),
-    # The language model alone (text prompts): not multimodal here, so image inputs are refused up front.
-    "Gemma3ForConditionalGeneration": ModelInfo("strata.models.gemma", "Gemma3ForConditionalGeneration",
-                                                text_architecture="Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ModelInfo("strata.models.gemma3_vision", "Gemma3ForConditionalGeneration",
+                                                is_multimodal=True, text_architecture="Gemma3ForCausalLM"),
     "GptOssForCausalLM": ModelInfo("strata.models.gpt_oss", "GptOssForCausalLM"),
     "Plamo2ForCausalLM": ModelInfo("strata.models.plamo2", "Plamo2ForCausalLM", is_hybrid=True),
     "BertModel": ModelInfo("strata.models.bert", "BertModel", supports_pp=False, is_encoder=True),
+    "BertForSequenceClassification": ModelInfo("strata.models.bert", "BertForSequenceClassification",
+                                               supports_pp=False, is_encoder=True),
+    "ModernBertModel": ModelInfo("strata.models.modernbert", "ModernBertModel", supports_pp=False, is_encoder=True),
+    "XLMRobertaModel": ModelInfo("strata.models.xlm_roberta", "XLMRobertaModel", supports_pp=False, is_encoder=True),
+    "XLMRobertaForSequenceClassification": ModelInfo("strata.models.xlm_roberta",
+                                                     "XLMRobertaForSequenceClassification", supports_pp=False,
+                                                     is_encoder=True),
 }
 
 

@@ -45,15 +45,16 @@ class PoolingConfig:
                                f"{list(self.matryoshka_dimensions)}", param="dimensions")
 
 
-def read_pooling_config(folder: str | Path, hf: Any) -> PoolingConfig:
-    """The checkpoint's pooling: from `modules.json` when present, else CLS + normalize (vLLM's default for BERT)."""
+def read_pooling_config(folder: str | Path, hf: Any, default_mode: str = "cls") -> PoolingConfig:
+    """The checkpoint's pooling: from `modules.json` when present, else `default_mode` + normalize (vLLM's defaults:
+    CLS for encoders such as BERT, the last token for decoders converted to embedding models)."""
     folder = Path(folder)
     matryoshka = _matryoshka(hf)
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
-        logger.info("no modules.json (sentence-transformers) beside the checkpoint: pooling the CLS token, "
-                    "normalized")
-        return PoolingConfig("cls", True, matryoshka)
+        logger.info("no modules.json (sentence-transformers) beside the checkpoint: pooling the %s token, "
+                    "normalized", "CLS" if default_mode == "cls" else default_mode)
+        return PoolingConfig(default_mode, True, matryoshka)
     modules = _read_json(modules_file)
     if not isinstance(modules, list):
         raise ConfigError(f"{modules_file} must be a list of modules", param="model")
@@ -97,23 +98,77 @@ def _read_json(path: Path) -> Any:
         raise ConfigError(f"cannot read {path}: {e}", param="model") from None
 
 
-def resolve_runner(runner: str, convert: str, architecture: str, is_encoder: bool) -> str:
-    """"generate" or "pooling" for --runner / --convert, refusing the combinations that cannot be served."""
+def resolve_runner(runner: str, convert: str, architecture: str, pooling_only: bool) -> str:
+    """"generate" or "pooling" for --runner / --convert, refusing the combinations that cannot be served. As in vLLM,
+    `--runner pooling` on a generative architecture converts it (`--convert embed`): its final hidden states pooled
+    (last token unless the checkpoint's sentence-transformers config says otherwise) and normalized."""
     if convert not in ("none", "embed"):
         raise ConfigError(f"convert {convert!r} is not one of none, embed", param="convert")
-    if convert == "embed":
-        raise ConfigError("--convert embed (a generative checkpoint served as an embedding model, e.g. "
-                          "Qwen3-Embedding) is not supported yet; serve an encoder checkpoint such as BertModel "
-                          "with --runner pooling", param="convert")
-    if runner == "auto":
-        return "pooling" if is_encoder else "generate"
-    if runner == "pooling" and not is_encoder:
-        raise ConfigError(f"--runner pooling needs an encoder architecture (BertModel); {architecture} is a "
-                          "generative model, and converting it (--convert embed) is not supported yet",
-                          param="runner")
-    if runner == "generate" and is_encoder:
-        raise ConfigError(f"{architecture} is an encoder and cannot generate text; serve it with --runner pooling "
-                          "(the default for it) and call /v1/embeddings", param="runner")
-    if runner not in ("generate", "pooling"):
+    if runner not in ("auto", "generate", "pooling"):
         raise ConfigError(f"runner {runner!r} is not one of auto, generate, pooling", param="runner")
+    if convert == "embed":
+        if runner == "generate":
+            raise ConfigError("--convert embed serves the model as an embedding model (--runner pooling); it cannot "
+                              "also generate: leave out --runner generate", param="runner")
+        return "pooling"
+    if runner == "auto":
+        return "pooling" if pooling_only else "generate"
+    if runner == "generate" and pooling_only:
+        raise ConfigError(f"{architecture} is an encoder or classifier and cannot generate text; serve it with "
+                          "--runner pooling (the default for it) and call /v1/embeddings, /classify or /score",
+                          param="runner")
     return runner
+
+
+# sentence-transformers' CrossEncoder activations as its config names them (`sentence_transformers.activation_fn`).
+_CROSS_ENCODER_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
+                              "torch.nn.modules.linear.Identity": "identity",
+                              "torch.nn.modules.activation.Tanh": "tanh"}
+
+
+def classify_activation(hf: Any, num_labels: int) -> str:
+    """What /classify applies to a classifier's logits, as vLLM does (after transformers' losses by problem_type):
+    identity for regression, sigmoid for multi-label or a single label, else softmax."""
+    problem = hf.get("problem_type")
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification" or num_labels < 2:
+        return "sigmoid"
+    return "softmax"
+
+
+def score_activation(hf: Any, num_labels: int) -> str:
+    """What /score and /rerank apply to a cross-encoder's logit: the checkpoint's sentence-transformers
+    `activation_fn` (or the older `sbert_ce_default_activation_function`), else sigmoid for a single label."""
+    st = hf.get("sentence_transformers")
+    name = (st.get("activation_fn") if isinstance(st, dict) else None) or hf.get(
+        "sbert_ce_default_activation_function")
+    if name is None:
+        return "sigmoid" if num_labels < 2 else "softmax"
+    if name not in _CROSS_ENCODER_ACTIVATIONS:
+        raise UnsupportedModelError(f"cross-encoder activation_fn {name!r} is not supported (supported: "
+                                    f"{', '.join(_CROSS_ENCODER_ACTIVATIONS)})", param="model")
+    return _CROSS_ENCODER_ACTIVATIONS[name]
+
+
+_RERANKER_OVERRIDES = ('--hf-overrides \'{"architectures": ["Qwen3ForSequenceClassification"], '
+                       '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
+
+
+def yes_no_reranker_tokens(hf: Any, architecture: str) -> tuple[str, str] | None:
+    """(yes, no): the answer tokens of a decoder served as a yes/no reranker (vLLM's `classifier_from_token` of
+    [false, true] with `is_original_qwen3_reranker`, scored sigmoid(logit_yes - logit_no)); None for other models.
+    A decoder classifier without them (a trained `score` head) is refused."""
+    if not hf.get("is_original_qwen3_reranker", False):
+        if architecture == "Qwen3ForSequenceClassification":
+            raise UnsupportedModelError("Qwen3ForSequenceClassification is served as Qwen3-Reranker (yes/no logits of "
+                                        "a Qwen3ForCausalLM checkpoint) only; a trained `score` head is not supported. "
+                                        f"For Qwen3-Reranker pass {_RERANKER_OVERRIDES}", param="hf_overrides")
+        return None
+    tokens = hf.get("classifier_from_token")
+    if architecture != "Qwen3ForSequenceClassification" or not (
+            isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)):
+        raise ConfigError(f"is_original_qwen3_reranker needs architectures ['Qwen3ForSequenceClassification'] and "
+                          f"classifier_from_token of two tokens (false, true), e.g. {_RERANKER_OVERRIDES}",
+                          param="hf_overrides")
+    return tokens[1], tokens[0]

@@ -8,7 +8,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 from strata.config import EngineConfig
@@ -17,6 +18,7 @@ from strata.engine.input_processor import InputProcessor, PromptInput
 from strata.engine.output_processor import OutputProcessor
 from strata.engine.request import ProcessedPrompt
 from strata.errors import EngineDeadError, StrataError
+from strata.lora.request import LoRARequest
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.structured.grammar import result_of
@@ -70,12 +72,13 @@ class AsyncEngine:
         timeout_s = self.config.structured.timeout_s
         await asyncio.get_running_loop().run_in_executor(None, result_of, future, constraint, timeout_s)
 
-    async def generate(self, request_id: str, prompt: PromptInput | ProcessedPrompt, params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs of one request until it finishes; leaving early aborts it."""
+    async def generate(self, request_id: str, prompt: PromptInput | ProcessedPrompt, params: SamplingParams,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs of one request (with its LoRA adapter, if any) until it finishes; leaving early
+        aborts it."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}")
-        request = self.input.make_request(request_id, prompt, params)
+        request = self.input.make_request(request_id, prompt, params, lora_request=lora_request)
         with self._output_lock:
             self.output.add_request(request)  # before the core can make outputs for it; refuses a duplicate id
         stream: asyncio.Queue = asyncio.Queue()
@@ -97,6 +100,22 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def call_in_core(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` on the core thread between steps (what touches the core's state must); its result or
+        exception lands in the returned future."""
+        if self.dead_error is not None or self._stopping:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error or 'shut down'}")
+        future: Future = Future()
+        self._send(("call", (fn, args, future)))
+        return future
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check a LoRA adapter on the core thread (refused with the reason)."""
+        await asyncio.wrap_future(self.call_in_core(self.core.add_lora, lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        await asyncio.wrap_future(self.call_in_core(self.core.remove_lora, lora_int_id))
 
     def fail_all(self, error: StrataError) -> int:
         """End every running request with `error` (each stream raises it, which aborts the request); returns
@@ -133,6 +152,8 @@ class AsyncEngine:
                 self.core.abort_requests(arg)
             elif kind == "finish":
                 self.core.finish_requests(arg)
+            elif kind == "call":
+                _run_call(*arg)
             else:
                 try:
                     self.core.add_request(arg)
@@ -201,6 +222,17 @@ class AsyncEngine:
             request_ids = list(self._streams)
         for request_id in request_ids:
             self._deliver(request_id, error)
+        self._fail_calls(error)
+
+    def _fail_calls(self, error: EngineDeadError) -> None:
+        """Calls queued for the core thread (adapter loads) get the engine's death instead of waiting forever."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call" and not arg[2].done():
+                arg[2].set_exception(error)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -209,3 +241,14 @@ class AsyncEngine:
         self._core_outputs.put(None)
         self._output_thread.join(timeout=10)
         self.core.shutdown()
+
+
+def _run_call(fn: Callable[..., Any], args: tuple, future: Future) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
+        if not isinstance(e, StrataError):  # a StrataError is the caller's (a bad adapter); others kill the engine
+            raise

@@ -19,6 +19,7 @@ from strata.engine.state_cache import SlotPool
 from strata.errors import RequestError, StrataError
 from strata.executor.executor import create_executor
 from strata.executor.step import SchedulerOutput
+from strata.lora.request import LoRARequest
 from strata.reasoning import ReasoningParser
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class EngineCore:
         kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching)
         slots = SlotPool(config.scheduler.max_num_seqs) if config.model.text_info.is_hybrid else None
-        self.scheduler = Scheduler(config.scheduler, kv, slots, self.spec)
+        self.scheduler = Scheduler(config.scheduler, kv, slots, self.spec,
+                                   0 if config.lora is None else config.lora.max_loras)
         self.in_flight: deque = deque()
         self.stats = {"prompt_tokens": 0, "steps": 0}
         self._grammar_state: GrammarState | None = None  # made on the first constrained request
@@ -62,15 +64,29 @@ class EngineCore:
         waiting = self._grammar_state is not None and request.request_id in self._grammar_state.waiting
         if waiting or any(i in self.scheduler.requests for i in request.sample_ids):
             raise RequestError(f"request id {request.request_id!r} is already running", param="request_id")
-        prompt = request.prompt
+        prompt, lora = request.prompt, request.lora_request
+        if lora is not None:  # loaded and checked now: a bad adapter is refused before anything is queued
+            self.add_lora(lora)
         requests = [Request(sample_id, prompt.token_ids, params, self.max_model_len, request.arrival_time,
-                            prompt.mm_inputs) for sample_id, params in request.samples]
+                            prompt.mm_inputs, lora) for sample_id, params in request.samples]
         if request.params.structured_outputs is not None:
             # Refused here when the schema is invalid.
             self.grammars.add(request.request_id, request.params.structured_outputs, requests, request.thinking)
         else:
             for r in requests:
                 self.scheduler.add(r)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load and check a LoRA adapter on every rank (refused with the reason)."""
+        if self.config.lora is None:
+            raise RequestError("this engine was started without enable_lora: it serves no LoRA adapters",
+                               param="lora_request")
+        self.executor.add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter: its host copy and slot are freed (a request still running with it reloads it)."""
+        if self.config.lora is not None:
+            self.executor.remove_lora(lora_int_id)
 
     def abort_requests(self, ids: Iterable[str]) -> None:
         """End requests now, whatever they are doing: scheduler request ids, or a user request's id while its

@@ -13,6 +13,7 @@ from strata.engine.request import ProcessedPrompt
 from strata.engine.scheduler import Scheduler
 from strata.engine.speculative.decoder import SpeculativeDecoder
 from strata.errors import StrataError
+from strata.lora.request import LoRARequest
 from strata.outputs import Logprob, RequestOutput
 from strata.sampling_params import SamplingParams
 
@@ -59,9 +60,10 @@ class Engine:
         return self.input.process_prompt(prompt, truncate_prompt_tokens, truncation_side)
 
     def add_request(self, request_id: str, prompt: PromptInput | ProcessedPrompt, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; a raw prompt is processed here, a ProcessedPrompt is taken as it is."""
-        request = self.input.make_request(request_id, prompt, params, arrival_time)
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (with its LoRA adapter, if any); a raw prompt is processed here, a ProcessedPrompt is
+        taken as it is."""
+        request = self.input.make_request(request_id, prompt, params, arrival_time, lora_request)
         self.output.add_request(request)  # refuses a duplicate id before the core sees it
         try:
             self.core.add_request(request)

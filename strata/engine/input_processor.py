@@ -9,7 +9,9 @@ from typing import Any
 from strata.config import EngineConfig
 from strata.engine.request import CoreRequest, ProcessedPrompt
 from strata.errors import RequestError
-from strata.multimodal.chat import ImagePromptProcessor, render_chat
+from strata.lora.request import LoRARequest
+from strata.multimodal.chat import ImagePromptProcessor, check_image_count, render_chat
+from strata.multimodal.image_cache import ImageCache
 from strata.reasoning import reasoning_parser
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import load_tokenizer
@@ -26,12 +28,20 @@ def fan_out(request_id: str, params: SamplingParams) -> tuple[tuple[str, Samplin
                  for i in range(params.n))
 
 
+def _image_count(mm: Any) -> int:
+    """Images in `multi_modal_data`: {"image": one or a list}, or already processed inputs."""
+    images = mm.get("image") if isinstance(mm, dict) else getattr(mm, "pixel_values", None)
+    return len(images) if isinstance(images, (list, tuple)) else int(images is not None)
+
+
 class InputProcessor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.tokenizer_gguf_file)
         self.reasoning = reasoning_parser(config.structured.reasoning_parser, self.tokenizer)
         self.mm_processor = ImagePromptProcessor.for_model(config.model, self.tokenizer)
+        cache_bytes = config.multimodal.cache_bytes
+        self.image_cache = ImageCache(cache_bytes) if self.mm_processor is not None and cache_bytes else None
         self.stop_token_ids = set(config.model.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.stop_token_ids.add(self.tokenizer.eos_token_id)
@@ -61,24 +71,31 @@ class InputProcessor:
             if self.mm_processor is None:
                 raise RequestError("this model is text-only and cannot take multi_modal_data",
                                    param="multi_modal_data")
-            token_ids, mm = self.mm_processor.attach(token_ids, mm)
+            check_image_count(_image_count(mm), self.config.multimodal)
+            kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
+            if kwargs and not getattr(self.mm_processor, "accepts_processor_kwargs", False):
+                raise RequestError("mm_processor_kwargs is not supported for this model", param="mm_processor_kwargs")
+            token_ids, mm = (self.mm_processor.attach(token_ids, mm, kwargs) if kwargs
+                             else self.mm_processor.attach(token_ids, mm))
         return self._validated(ProcessedPrompt(text, token_ids, mm))
 
     def render_chat(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True, *, template_kwargs: dict[str, Any] | None = None,
                     allowed_local_media_path: str | None = None, allow_remote_media: bool = False,
-                    validate: bool = True) -> ProcessedPrompt:
+                    validate: bool = True, mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
         """One conversation through the chat template (the configured one unless given), its images loaded,
         tiled and expanded into placeholder ids; validated like any prompt unless `validate` is False (for
         /tokenize, which counts the tokens of any conversation)."""
         chat = render_chat(self.tokenizer, messages, self.mm_processor, chat_template or self.config.chat_template,
                            add_generation_prompt, allowed_local_media_path=allowed_local_media_path,
-                           allow_remote_media=allow_remote_media, **(template_kwargs or {}))
+                           allow_remote_media=allow_remote_media, mm_config=self.config.multimodal,
+                           image_cache=self.image_cache, mm_processor_kwargs=mm_processor_kwargs,
+                           **(template_kwargs or {}))
         prompt = ProcessedPrompt(chat.text, chat.token_ids, chat.mm_inputs, template_kwargs)
         return self._validated(prompt) if validate else prompt
 
     def make_request(self, request_id: str, prompt: PromptInput | ProcessedPrompt, params: SamplingParams,
-                     arrival_time: float | None = None) -> CoreRequest:
+                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> CoreRequest:
         """The request as the core and the output side take it; a raw prompt is processed here."""
         prompt = self.process_prompt(prompt)
         params = params.clone()
@@ -87,7 +104,7 @@ class InputProcessor:
         thinking = (params.structured_outputs is not None and self.reasoning is not None
                     and self.reasoning.thinks_first(prompt.token_ids, prompt.chat_template_kwargs))
         return CoreRequest(request_id, prompt, params, fan_out(request_id, params),
-                           time.monotonic() if arrival_time is None else arrival_time, thinking)
+                           time.monotonic() if arrival_time is None else arrival_time, thinking, lora_request)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], Any]:
         mm = None

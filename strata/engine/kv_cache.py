@@ -21,6 +21,13 @@ def block_hash(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes
     return h.digest()
 
 
+def _root_hash(request: Request) -> bytes:
+    """What a request's chain of block hashes starts from: the adapter, if any, so that requests of two adapters (or
+    of one and the base model) never share a block."""
+    lora = request.lora_request
+    return _ROOT_HASH if lora is None else block_hash(_ROOT_HASH, [], lora.cache_key)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -83,7 +90,7 @@ class KVCacheManager:
         bs = self.block_size
         while (len(request.block_hashes) + 1) * bs <= request.num_tokens:
             i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if i else _ROOT_HASH
+            parent = request.block_hashes[-1] if i else _root_hash(request)
             # A block holding image tokens also depends on the image's pixels (chained into later blocks).
             mm = request.mm_inputs
             extra = mm.cache_key if mm is not None and (i + 1) * bs > mm.first_position else b""

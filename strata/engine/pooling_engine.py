@@ -1,15 +1,17 @@
-"""PoolingEngine: embeddings of an encoder model (the pooling runner). Inputs are tokenized and validated here,
-sorted by length and batched by tokens; no scheduler or KV cache, as an encoder step finishes every sequence."""
+"""PoolingEngine: embeddings of an encoder or converted decoder model (the pooling runner). Inputs are tokenized and
+validated here, sorted by length and batched by tokens; no scheduler or KV cache, as one forward finishes every
+sequence."""
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from strata.config import EngineConfig
+from strata.engine.scoring import ScoringMixin
 from strata.errors import ConfigError, RequestError
 from strata.executor.pooling_runner import PoolingRunner
 from strata.layers.pooler import normalize
@@ -32,8 +34,9 @@ class EmbedResult:
         return sum(len(ids) for ids in self.prompt_token_ids)
 
 
-class PoolingEngine:
-    """Serves `embed` for a `--runner pooling` model; thread-safe (one batch runs at a time)."""
+class PoolingEngine(ScoringMixin):
+    """Serves `embed` (and `classify`, `score`) for a `--runner pooling` model; thread-safe (one batch runs at a
+    time)."""
 
     def __init__(self, config: EngineConfig) -> None:
         par = config.parallel
@@ -44,7 +47,7 @@ class PoolingEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.tokenizer_gguf_file)
         self.runner = PoolingRunner(config)
-        self.max_model_len = min(config.model.max_model_len, self.runner.model.max_positions)
+        self.max_model_len = min(config.model.max_model_len, self.runner.max_positions)
         self.vocab_size = config.model.vocab_size
         self._lock = threading.Lock()
 
@@ -59,6 +62,10 @@ class PoolingEngine:
     def embed(self, inputs: Sequence[EmbedInput], truncate_prompt_tokens: int | None = None,
               dimensions: int | None = None) -> EmbedResult:
         """Embeddings of texts or token-id lists; bad inputs are RequestErrors naming the field."""
+        if self.runner.num_labels is not None:
+            raise RequestError("this model is a sequence classifier (cross-encoder): it serves /classify, /score and "
+                               "/rerank (LLM.classify, LLM.score), not embeddings; serve an embedding model (e.g. "
+                               "BertModel) for /v1/embeddings", param="model")
         self.pooling.check_dimensions(dimensions, self.hidden_size)
         sequences = self.tokenize(inputs, truncate_prompt_tokens)
         with self._lock:
@@ -108,18 +115,21 @@ class PoolingEngine:
                                param="input")
         return ids
 
-    def _run(self, sequences: list[list[int]]) -> torch.Tensor:
+    def _run(self, sequences: list[list[int]], forward: Callable[[list[int]], torch.Tensor] | None = None,
+             width: int | None = None) -> torch.Tensor:
         """Longest first, batches of at most max_num_batched_tokens tokens (padded attention wastes least when
-        the lengths in a batch are close) and max_num_seqs sequences; results back in input order."""
+        the lengths in a batch are close) and max_num_seqs sequences; results back in input order. `forward` maps
+        a batch's indices to its [len, width] outputs (default: the embeddings)."""
         order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
         budget = max(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         max_seqs = self.config.scheduler.max_num_seqs
-        out = torch.empty(len(sequences), self.hidden_size)
+        forward = forward or (lambda indices: self.runner.embed([sequences[j] for j in indices]))
+        out = torch.empty(len(sequences), width or self.hidden_size)
         batch: list[int] = []
         tokens = 0
         for i in [*order, None]:
             if batch and (i is None or tokens + len(sequences[i]) > budget or len(batch) == max_seqs):
-                out[batch] = self.runner.embed([sequences[j] for j in batch])
+                out[batch] = forward(batch)
                 batch, tokens = [], 0
             if i is not None:
                 batch.append(i)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from strata.lora.request import LoRARequest
 from strata.outputs import PromptLogprobsChunk, TokenLogprobs
 from strata.sampling_params import SamplingParams
 
@@ -35,6 +36,7 @@ class CoreRequest:
     samples: tuple[tuple[str, SamplingParams], ...]  # (scheduler request id, its parameters) per sample
     arrival_time: float
     thinking: bool = False  # the outputs start with thinking, which a grammar leaves free
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     @property
     def sample_ids(self) -> list[str]:
@@ -56,7 +58,8 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 max_model_len: int, arrival_time: float | None = None, mm_inputs: object = None) -> None:
+                 max_model_len: int, arrival_time: float | None = None, mm_inputs: object = None,
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.token_ids = list(prompt_token_ids)  # prompt, then every generated token
@@ -64,6 +67,7 @@ class Request:
         self.max_model_len = max_model_len
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.mm_inputs = mm_inputs  # model-specific multimodal inputs (e.g. image tiles), or None
+        self.lora_request = lora_request  # its LoRA adapter, or None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []

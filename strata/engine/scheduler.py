@@ -50,10 +50,22 @@ def _core_output(request: Request, new: list[int], logprobs: list[TokenLogprobs]
                       stop is not None and stop.on_token, max(request.num_cached_tokens, 0), queue_time)
 
 
+def _chunk_length(request: Request, start: int, n: int) -> int:
+    """At most `n` tokens from `start`, never ending inside a span of tokens that attend to each other (a Gemma 3
+    image): the chunk stops before such a span, or is empty (the request waits) when it starts in one it cannot
+    finish. The config keeps max_num_batched_tokens above a span's length."""
+    for first, end in getattr(request.mm_inputs, "bidirectional_spans", ()):
+        if first < start + n < end:
+            return first - start if first > start else 0
+    return n
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, slots: SlotPool | None = None,
-                 spec: SpeculativeDecoder | None = None) -> None:
+                 spec: SpeculativeDecoder | None = None, max_loras: int = 0) -> None:
+        """`max_loras`: most LoRA adapters the running requests may use together (0: LoRA off)."""
         self.config = config
+        self.max_loras = max_loras
         self.kv = kv
         self.slots = slots
         self.spec = spec
@@ -80,7 +92,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            n = _chunk_length(request, start, min(request.num_tokens - start, budget))
             if request.in_flight or n <= 0:
                 i += 1
                 continue
@@ -114,14 +127,23 @@ class Scheduler:
         return request
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        # Requests whose adapter would make the running ones use more than max_loras wait (vLLM's rule), and those
+        # behind them go first.
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            lora = request.lora_request
+            if lora is not None and lora.lora_int_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             if self.slots is not None and request.state_slot < 0 and self.slots.num_free == 0:
                 break
             computed = self.kv.computed_blocks(request) if request.num_computed_tokens == 0 else []
             hit = len(computed) * self.kv.block_size
-            n = min(request.num_tokens - request.num_computed_tokens - hit, budget)
-            if not self.kv.allocate(request, n, computed):
+            n = _chunk_length(request, request.num_computed_tokens + hit,
+                              min(request.num_tokens - request.num_computed_tokens - hit, budget))
+            if n <= 0 or not self.kv.allocate(request, n, computed):
                 break
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
@@ -133,6 +155,9 @@ class Scheduler:
             self.running.append(request)
             out.requests.append(self._scheduled(request, n))
             budget -= n
+            if lora is not None:
+                loras.add(lora.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
         return budget
 
     def _drafts(self) -> dict[str, list[int]]:
@@ -147,7 +172,8 @@ class Scheduler:
         start = request.num_computed_tokens
         new = None
         if not request.known_to_workers:
-            new = NewRequestData(request.sampling_params, request.prompt_token_ids, request.mm_inputs)
+            new = NewRequestData(request.sampling_params, request.prompt_token_ids, request.mm_inputs,
+                                 request.lora_request)
             request.known_to_workers = True
         request.in_flight = True
         return ScheduledRequest(request.request_id, request.token_ids[start:start + n] + list(draft), start,

@@ -8,6 +8,7 @@ from strata.distributed import ParallelContext
 from strata.executor.kv_budget import kv_cache_blocks
 from strata.executor.model_runner import ModelRunner, RunnerOutput
 from strata.executor.step import SchedulerOutput
+from strata.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,12 @@ class UniprocExecutor:
 
     def collect(self, handle: RunnerOutput) -> RunnerOutput:
         return handle
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self.runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.runner.remove_lora(lora_int_id)
 
     def check_health(self) -> None:
         pass

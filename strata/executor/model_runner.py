@@ -14,7 +14,9 @@ import torch
 
 from strata.config import EngineConfig
 from strata.distributed import IntermediateTensors, ParallelContext
+from strata.errors import RequestError
 from strata.executor.cpu_decode import CpuDecode
+from strata.executor.lora_manager import LoRAModelManager
 from strata.executor.step import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from strata.executor.step_inputs import is_decode_rows, prepare_step
 from strata.host_memory import keep_freed_host_memory
@@ -24,8 +26,10 @@ from strata.layers.attention import Attention
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import pack_linear_weights
 from strata.layers.mamba.mixer import MambaState, allocate_states, state_bytes_per_slot
+from strata.layers.mrope import step_positions
 from strata.layers.sampler import Sampler, SamplingRow, top_logprobs
 from strata.layers.stored_dtype import store_weights_as
+from strata.lora.request import LoRARequest
 from strata.models import loader
 from strata.outputs import PromptLogprobsChunk, TokenLogprobs
 from strata.sampling_params import SamplingParams
@@ -51,6 +55,7 @@ class RequestState:
     # Multimodal models: (prompt positions, embeddings) of the request's image features, computed once
     # by the first stage and sliced for each prefill chunk.
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    lora_request: LoRARequest | None = None
 
 
 class ModelRunner:
@@ -79,12 +84,18 @@ class ModelRunner:
         # The fused CPU decode paths, read from the layers' declarations once the weights are final (None off CPU
         # and for models without declared layers); each decode step asks them first.
         self.cpu_decode = CpuDecode.build(self.model, device)
+        # LoRA slots in the targetable layers (None when LoRA is off: the layers carry nothing). A step with adapter
+        # rows runs the torch path, as the fused CPU decode paths read the base weights only.
+        self.lora = None if config.lora is None else LoRAModelManager(self.model, config.lora, config.model.dtype,
+                                                                       device)
+        self.lora_rows = False
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.mamba_layers = [m for m in self.model.modules() if isinstance(m, MambaState)]
         self.encodes_images = pc.is_first_stage and hasattr(self.model, "embed_multimodal")
+        self.uses_mrope = getattr(self.model, "uses_mrope", False)  # Qwen2.5-VL: positions of three rows
 
     def _count_weight_bytes(self) -> int:
         """Parameter bytes (a tied tensor once) plus the packed weights quantized layers hold outside parameters."""
@@ -157,7 +168,19 @@ class ModelRunner:
                     generator = torch.Generator(device=self.device)
                     generator.manual_seed(s.new.sampling_params.seed)
                 self.states[s.request_id] = RequestState(s.new.sampling_params, generator,
-                                                         list(s.new.prompt_token_ids), [], s.new.mm_inputs)
+                                                         list(s.new.prompt_token_ids), [], s.new.mm_inputs,
+                                                         lora_request=s.new.lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter before its first request is queued (refused with the reason)."""
+        if self.lora is None:
+            raise RequestError("this engine was started without enable_lora: it serves no LoRA adapters",
+                               param="lora_request")
+        self.lora.add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove_adapter(lora_int_id)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None) -> RunnerOutput:
@@ -168,7 +191,8 @@ class ModelRunner:
             return RunnerOutput()
         input_ids, positions, meta = self._prepare(requests)
         embeds = self._multimodal_embeds(requests, input_ids)
-        if self.cpu_decode is not None and embeds is None and intermediate is None and all(s.sample for s in requests):
+        if self.cpu_decode is not None and embeds is None and intermediate is None and not self.lora_rows and \
+                all(s.sample for s in requests):
             decoded = self.cpu_decode.decode_logits(input_ids, positions, meta)  # a CPU decode step in one C call
             if decoded is not None:
                 logits, argmax = decoded
@@ -201,7 +225,7 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
                  intermediate: IntermediateTensors | None, embeds: torch.Tensor | None
                  ) -> torch.Tensor | IntermediateTensors:
-        if self.cpu_decode is not None and embeds is None:
+        if self.cpu_decode is not None and embeds is None and not self.lora_rows and positions.dim() == 1:
             out = self.cpu_decode.forward(input_ids, positions, meta, intermediate)
             if out is not None:
                 return out
@@ -214,8 +238,15 @@ class ModelRunner:
             self._zero_new_blocks(requests)
         mm_inputs = [self.states[s.request_id].mm_inputs if s.request_id in self.states else None
                      for s in requests]
-        return prepare_step(requests, self.block_size, self.device, self.config.kernels, bool(self.mamba_layers),
-                            mm_inputs)
+        if self.lora is not None:
+            loras = [self.states[s.request_id].lora_request if s.request_id in self.states else None for s in requests]
+            self.lora_rows = self.lora.set_batch(requests, loras)
+        input_ids, positions, meta = prepare_step(requests, self.block_size, self.device, self.config.kernels,
+                                                  bool(self.mamba_layers), mm_inputs)
+        if self.uses_mrope:  # image tokens' (t, h, w) rows; later tokens at index + the request's delta
+            positions = step_positions([(s.num_computed_tokens, len(s.token_ids)) for s in requests], mm_inputs,
+                                       positions)
+        return input_ids, positions, meta
 
     def _multimodal_embeds(self, requests: list[ScheduledRequest], input_ids: torch.Tensor
                            ) -> torch.Tensor | None:

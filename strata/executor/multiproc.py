@@ -27,6 +27,7 @@ from strata.executor.protocol import RankInfo, WorkerSpec, connect_store, shared
 from strata.executor.spawn_guard import guard_message, refuse_engine_in_spawn_bootstrap, unguarded_main_script
 from strata.executor.step import SchedulerOutput
 from strata.executor.worker import worker_main
+from strata.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,7 @@ class MultiprocExecutor:
                               "--master-port PORT`", param="node_rank")
         self.config = config
         self.max_concurrent_batches = par.pipeline_parallel_size
+        self._loras: dict[int, LoRARequest] = {}  # adapters every rank loaded and checked
         host = par.master_addr
         store = connect_store(host, par.master_port or 0, timedelta(seconds=_STARTUP_TIMEOUT_S), is_master=True)
         procs = spawn_workers(config, _local_ranks(config, 0), host, store.port)
@@ -252,7 +254,28 @@ class MultiprocExecutor:
         _check_same_settings(self.config, ranks)
         return ranks
 
-    def submit(self, out: SchedulerOutput) -> int:
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Every rank loads and checks the adapter (its part of it); the first refusal is raised. An adapter every
+        rank took already is not sent again: ranks reload one they evicted from its folder when a step needs it."""
+        if self._loras.get(lora_request.lora_int_id) == lora_request:
+            return
+        self._lora_command(protocol.LoRACommand(add=lora_request))
+        self._loras[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._loras.pop(lora_int_id, None)
+        self._lora_command(protocol.LoRACommand(remove=lora_int_id))
+
+    def _lora_command(self, command: protocol.LoRACommand) -> None:
+        # Through the step sequence, so every rank applies it between the same two steps.
+        n = self.submit(command)
+        while (errors := protocol.take_lora_answers(self._driver.store, n, self.config.parallel.world_size)) is None:
+            self._raise_if_dead()
+            time.sleep(0.002)
+        if errors:
+            raise errors[0]
+
+    def submit(self, out: SchedulerOutput | protocol.LoRACommand) -> int:
         driver = self._driver
         with driver.lock:
             self._raise_if_dead()

@@ -11,7 +11,8 @@ torch.distributed (TP collectives, PP hand-off between stages).
 4. For each step n the driver writes `step/<n>`: a SchedulerOutput, or None to tell every rank to leave.
    The last stage's TP rank 0 answers `out/<n>` with a RunnerOutput. Once the driver read it, it deletes both
    keys so the store stays small. When a worker died, the driver writes DEAD_MARKER there instead, waking
-   its own reader.
+   its own reader. A `LoRACommand` may stand in for a step: every rank loads (or forgets) the adapter and answers
+   `lora/<n>/<rank>` (None, or the StrataError that refused it).
 5. A rank that fails writes its reason to `error`; each rank that leaves in order adds one to `exited`.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from strata.distributed import rank_layout
 from strata.errors import StrataError
 from strata.executor.model_runner import RunnerOutput
 from strata.executor.step import SchedulerOutput
+from strata.lora.request import LoRARequest
 
 
 def connect_store(host: str, port: int, timeout: timedelta, is_master: bool = False) -> dist.TCPStore:
@@ -147,13 +149,41 @@ def _out_key(n: int) -> str:
     return f"out/{n}"
 
 
-def send_step(store: dist.Store, n: int, step: SchedulerOutput | None) -> None:
+@dataclass(frozen=True)
+class LoRACommand:
+    """In place of a step: every rank loads and checks `add` (or forgets the adapter of id `remove`), then answers."""
+
+    add: LoRARequest | None = None
+    remove: int | None = None
+
+
+def send_step(store: dist.Store, n: int, step: SchedulerOutput | LoRACommand | None) -> None:
     """Step n for every rank; None tells the ranks to leave."""
     store.set(_step_key(n), pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def recv_step(store: dist.Store, n: int) -> SchedulerOutput | None:
+def recv_step(store: dist.Store, n: int) -> SchedulerOutput | LoRACommand | None:
     return pickle.loads(store.get(_step_key(n)))
+
+
+def _lora_key(n: int, rank: int) -> str:
+    return f"lora/{n}/{rank}"
+
+
+def send_lora_answer(store: dist.Store, n: int, rank: int, error: StrataError | None) -> None:
+    payload = None if error is None else (type(error), error.message, error.param)
+    store.set(_lora_key(n, rank), pickle.dumps(payload))
+
+
+def take_lora_answers(store: dist.Store, n: int, world_size: int) -> list[StrataError] | None:
+    """None until every rank answered command n; then the errors they refused it with (the keys are deleted)."""
+    keys = [_lora_key(n, rank) for rank in range(world_size)]
+    if not store.check(keys):
+        return None
+    answers = [pickle.loads(store.get(key)) for key in keys]
+    for key in [*keys, _step_key(n)]:
+        store.delete_key(key)
+    return [cls(message, param=param) for cls, message, param in filter(None, answers)]
 
 
 def send_result(store: dist.Store, n: int, result: RunnerOutput) -> None:

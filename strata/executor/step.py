@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata.lora.request import LoRARequest
 from strata.sampling_params import SamplingParams
 
 
@@ -36,6 +37,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     mm_inputs: object = None
+    lora_request: LoRARequest | None = None  # the adapter its rows run with (None: the base model)
 
 
 @dataclass

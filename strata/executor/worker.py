@@ -147,7 +147,10 @@ class Worker:
             self.times["idle"] += time.perf_counter() - started
             if step is None:
                 break
-            self.execute(n, step)
+            if isinstance(step, protocol.LoRACommand):
+                self.lora_command(n, step)
+            else:
+                self.execute(n, step)
             n += 1
         if self.pending is not None:
             self.pending.wait()
@@ -156,6 +159,18 @@ class Worker:
         logger.info("%s shut down after %d steps: %.2f s computing, %.2f s waiting for the previous stage, "
                     "%.2f s for the next stage to take a batch, %.2f s for steps", self.spec.log_prefix, n,
                     t["compute"], t["recv"], t["send"], t["idle"])
+
+    def lora_command(self, n: int, command: protocol.LoRACommand) -> None:
+        """Load (or forget) an adapter on this rank: its part of the adapter's layers; a refusal is answered."""
+        error = None
+        try:
+            if command.add is not None:
+                self.runner.add_lora(command.add)
+            else:
+                self.runner.remove_lora(command.remove)
+        except StrataError as e:
+            error = e
+        protocol.send_lora_answer(self.store, n, self.spec.rank, error)
 
     def execute(self, n: int, step: SchedulerOutput) -> None:
         pc, t = self.pc, self.times

@@ -160,6 +160,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
                 ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
+        if self.k_cache is None:  # no cache bound (the pooling runner): whole prompts see this step's keys alone
+            return self._forward_uncached(q, k, v, meta)
         if meta.kernels == "triton":
             return self._forward_triton(q, k, v, meta)
         if not meta.prefills and k.dtype == q.dtype and \
@@ -182,6 +184,17 @@ class Attention(nn.Module):
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)
         for i, p in enumerate(meta.prefills):
             out[p.query_start:p.query_end] = self._prefill(q, k, v, i, meta, flat_k, flat_v)
+        return out.view(q.shape[0], -1)
+
+    def _forward_uncached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+                          ) -> torch.Tensor:
+        """Each prefill is a whole sequence in this step (nothing computed before it): causal attention over its
+        own rows, without writing a cache no later step reads."""
+        if meta.num_decodes or any(p.num_computed or p.context_slots is not None for p in meta.prefills):
+            raise ValueError("attention without a KV cache takes whole prompts only (no decodes, no earlier context)")
+        out = torch.empty_like(q)
+        for i, p in enumerate(meta.prefills):
+            out[p.query_start:p.query_end] = self._prefill(q, k, v, i, meta, None, None)
         return out.view(q.shape[0], -1)
 
     def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

@@ -16,6 +16,7 @@ from strata.kernels.cpu import abi, cpu_kernels_apply
 from strata.kernels.cpu import matmul as cpu_matmul
 from strata.kernels.cpu.crossovers import SMALL_BATCH_DENSE, SMALL_BATCH_PLAIN
 from strata.layers import onednn_weights
+from strata.layers.lora import LinearLoRA
 from strata.layers.onednn_weights import can_pack
 
 
@@ -92,6 +93,7 @@ class PackableLinear(nn.Module):
     weight: nn.Parameter
     quant = None
     splits_inputs = False  # row-parallel: each rank holds a slice of the inputs
+    lora: LinearLoRA | None = None  # adapter slots, attached by the runner when LoRA is enabled
 
     def pack_weight(self) -> None:
         if self.quant is not None:
@@ -154,7 +156,8 @@ class ReplicatedLinear(PackableLinear):
         self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class ColumnParallelLinear(PackableLinear):
@@ -175,6 +178,8 @@ class ColumnParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
+        if self.lora is not None:  # B's rows are this rank's outputs: the delta joins before the gather
+            y = self.lora.apply(x, y)
         return self.pc.all_gather(y) if self.gather_output else y
 
     def out_pieces(self, shard_id: object = None) -> list[tuple[int, int, int]]:
@@ -279,6 +284,8 @@ class RowParallelLinear(PackableLinear):
         # The bias is added on one rank only, so the all-reduce counts it once.
         bias = self.bias if self.pc.tp_rank == 0 else None
         y = self.matmul(x, bias)
+        if self.lora is not None:  # from this rank's inputs: the all-reduce sums the partial deltas
+            y = self.lora.apply(x, y)
         return self.pc.all_reduce(y) if self.reduce_results else y
 
     def in_range(self) -> tuple[int, int]:

@@ -25,3 +25,17 @@ def pool(hidden: torch.Tensor, seq_lens: torch.Tensor, mode: str) -> torch.Tenso
 def normalize(x: torch.Tensor) -> torch.Tensor:
     """L2-normalized rows, as sentence-transformers' Normalize module computes them."""
     return F.normalize(x.float(), p=2, dim=-1).to(x.dtype)
+
+
+def activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    """A classifier's logits [B, labels] -> scores: softmax, sigmoid, tanh or identity (float32)."""
+    logits = logits.float()
+    if activation == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "tanh":
+        return torch.tanh(logits)
+    if activation == "identity":
+        return logits
+    raise ValueError(f"activation {activation!r} is not one of softmax, sigmoid, tanh, identity")

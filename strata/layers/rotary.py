@@ -4,6 +4,7 @@ small C kernel (one call for q and k instead of a dozen ops, a prefill's tokens 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -151,13 +152,23 @@ def yarn_inv_freq(base: float, rotary_dim: int, scaling: dict[str, Any]) -> tupl
     return (1.0 / (factor * wavelengths)) * (1 - keep) + (1.0 / wavelengths) * keep, float(attention_factor)
 
 
+def _mrope_rows(section: Sequence[int], rotary_dim: int) -> torch.Tensor:
+    """The position row (0 temporal, 1 height, 2 width) each of the rotary_dim / 2 frequencies reads."""
+    if len(section) != 3 or sum(section) != rotary_dim // 2:
+        raise UnsupportedModelError(f"mrope_section {list(section)} must be three counts summing to "
+                                    f"{rotary_dim // 2} (half the rotary dimensions)", param="rope_scaling")
+    return torch.repeat_interleave(torch.arange(3), torch.tensor(list(section)))
+
+
 class RotaryEmbedding(nn.Module):
     """`rotary_dim`: the leading dimensions of each head that rotate (partial rotary), the whole head by default;
     `max_model_len`: the longest sequence the engine runs (LongRoPE chooses its factors by it)."""
 
     def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None = None,
-                 interleaved: bool = False, *, rotary_dim: int | None = None, max_model_len: int | None = None
-                 ) -> None:
+                 interleaved: bool = False, *, rotary_dim: int | None = None, max_model_len: int | None = None,
+                 mrope_section: Sequence[int] | None = None) -> None:
+        """`mrope_section`: M-RoPE (Qwen2-VL) frequency counts turning with the temporal, height and width rows of
+        [3, T] positions; 1-D positions (all three rows equal) rotate as plain RoPE."""
         super().__init__()
         self.head_dim, self.interleaved = head_dim, interleaved
         self.rotary_dim = dim = rotary_dim or head_dim
@@ -187,13 +198,22 @@ class RotaryEmbedding(nn.Module):
                 raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: llama3, "
                                             "longrope, linear, yarn)", param="rope_scaling")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.mrope_rows = None if mrope_section is None else _mrope_rows(mrope_section, dim)
         # The step's positions and dtype, its cos/sin, and (once asked for) its half-split tables.
         self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._last_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._float_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        """cos and sin [T, rotary_dim / 2] of positions [T], or of M-RoPE positions [3, T]: frequency j turns with
+        the row of its section (transformers' product and rounding)."""
+        if positions.dim() == 2:
+            if self.mrope_rows is None:
+                raise ValueError("positions of three rows need a rotary embedding built with mrope_section")
+            rows = self.mrope_rows.to(positions.device)
+            freqs = positions.T.float()[:, rows] * self.inv_freq.to(positions.device)
+        else:
+            freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         if self.mscale != 1.0:
             return (freqs.cos() * self.mscale).to(dtype), (freqs.sin() * self.mscale).to(dtype)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)

@@ -1,4 +1,5 @@
-"""BERT encoders (`BertModel`: bge, e5, all-MiniLM): post-norm layers, bidirectional attention, no KV cache.
+"""BERT encoders (`BertModel`: bge, e5, all-MiniLM; `BertForSequenceClassification`: ms-marco cross-encoders):
+post-norm layers, bidirectional attention, no KV cache.
 
 Tokens of a batch are packed flat (linears see only real tokens); attention alone pads them per sequence and
 masks the padding. Heads and the MLP are sharded over TP ranks as the decoders' are."""
@@ -15,15 +16,20 @@ from torch import nn
 from strata.distributed import ParallelContext
 from strata.errors import UnsupportedModelError
 from strata.layers.embedding import VocabParallelEmbedding
-from strata.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
+from strata.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from strata.models import loader
 
 _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
-# Checkpoint tensors an encoder for embeddings does not use: BertModel's pooler (sentence-transformers pools the
-# hidden states itself), heads of pretraining checkpoints, and a cached position-id buffer.
-_IGNORED_PREFIXES = ("pooler.", "cls.")
-_IGNORED_NAMES = ("embeddings.position_ids",)
+# Checkpoint tensors an encoder does not use: heads of pretraining checkpoints and cached position-id / token-type
+# buffers. BertModel's pooler is ignored too (sentence-transformers pools the hidden states itself).
+_IGNORED_NAMES = ("embeddings.position_ids", "embeddings.token_type_ids")
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class BertArgs:
     type_vocab_size: int
     layer_norm_eps: float
     hidden_act: str
+    pad_token_id: int = 0
 
     @classmethod
     def from_hf(cls, hf: Any) -> BertArgs:
@@ -54,7 +61,7 @@ class BertArgs:
                                         "supported; strata serves BertModel as an encoder", param="is_decoder")
         return cls(hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads,
                    hf.intermediate_size, hf.get("max_position_embeddings", 512), hf.get("type_vocab_size", 2),
-                   hf.get("layer_norm_eps", 1e-12), act)
+                   hf.get("layer_norm_eps", 1e-12), act, hf.get("pad_token_id", 0) or 0)
 
 
 @dataclass(frozen=True)
@@ -70,9 +77,20 @@ class PackedBatch:
     key_mask: torch.Tensor
     max_len: int
 
+    @property
+    def first_tokens(self) -> torch.Tensor:
+        """[B] each sequence's first token (CLS) in the packed layout."""
+        return torch.cumsum(self.seq_lens, 0) - self.seq_lens
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """[T] the sequence each packed token belongs to."""
+        return torch.div(self.pad_index, self.max_len, rounding_mode="floor")
+
     @classmethod
     def build(cls, sequences: list[list[int]], device: torch.device | str = "cpu",
               token_types: list[list[int]] | None = None) -> PackedBatch:
+        """`token_types`: segment ids of pair-encoded inputs (cross-encoders); all 0 when None."""
         lens = [len(s) for s in sequences]
         max_len = max(lens)
         ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
@@ -156,6 +174,8 @@ class BertModel(nn.Module):
     # (strata parameter part, checkpoint part, shard id)
     stacked_params = [("qkv.", "attention.self.query.", "q"), ("qkv.", "attention.self.key.", "k"),
                       ("qkv.", "attention.self.value.", "v")]
+    embeddings_class: type[nn.Module] = BertEmbeddings
+    ignored_prefixes: tuple[str, ...] = ("pooler.", "cls.")
     _RENAMES = (("attention.output.dense.", "attn_out."), ("attention.output.LayerNorm.", "attn_norm."),
                 ("intermediate.dense.", "intermediate."), ("output.dense.", "output."),
                 ("output.LayerNorm.", "out_norm."))
@@ -166,7 +186,7 @@ class BertModel(nn.Module):
         if self.args.hidden_size % self.args.num_heads:
             raise UnsupportedModelError(f"hidden_size {self.args.hidden_size} is not a multiple of "
                                         f"num_attention_heads {self.args.num_heads}", param="num_attention_heads")
-        self.embeddings = BertEmbeddings(self.args, pc, dtype)
+        self.embeddings = self.embeddings_class(self.args, pc, dtype)
         self.encoder = nn.Module()
         self.encoder.layer = nn.ModuleList(BertLayer(self.args, pc, dtype) for _ in range(self.args.num_layers))
 
@@ -186,8 +206,8 @@ class BertModel(nn.Module):
 
     def rename_weight(self, name: str) -> str | None:
         """A checkpoint name as this module names it; None for the tensors embeddings do not use."""
-        name = name.removeprefix("bert.").removeprefix("model.")
-        if name.startswith(_IGNORED_PREFIXES) or name in _IGNORED_NAMES:
+        name = name.removeprefix("bert.").removeprefix("roberta.").removeprefix("model.")
+        if name.startswith(self.ignored_prefixes) or name in _IGNORED_NAMES:
             return None
         if name.startswith("encoder.layer."):
             for old, new in self._RENAMES:
@@ -197,3 +217,30 @@ class BertModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader.load_weights(self, weights, self.stacked_params, self.rename_weight)
+
+
+def num_labels(hf: Any) -> int:
+    """A sequence classifier's outputs: `id2label`'s size (transformers writes it), else `num_labels`."""
+    labels = hf.get("id2label") or {}
+    count = len(labels) or int(hf.get("num_labels", 2))
+    if count < 1:
+        raise UnsupportedModelError(f"a sequence classifier needs at least one label, got {count}", param="id2label")
+    return count
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder: BERT's pooler (dense + tanh over the CLS token), then a linear classifier. The heads are
+    small and replicated on every rank; the encoder's hidden states are whole after its row-parallel layers."""
+
+    ignored_prefixes = ("cls.",)
+
+    def __init__(self, hf: Any, pc: ParallelContext, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(hf, pc, dtype)
+        h, self.num_labels = self.args.hidden_size, num_labels(hf)
+        self.pooler = nn.Module()
+        self.pooler.dense = ReplicatedLinear(h, h, bias=True, dtype=dtype)
+        self.classifier = ReplicatedLinear(h, self.num_labels, bias=True, dtype=dtype)
+
+    def classify(self, hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """[T, hidden] packed hidden states -> [B, num_labels] logits."""
+        return self.classifier(torch.tanh(self.pooler.dense(hidden[batch.first_tokens])))

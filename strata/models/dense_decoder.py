@@ -103,8 +103,9 @@ class DenseAttention(nn.Module):
     shared rotary embedding and the paged attention (window, soft cap); `parts` declares them to the layer's spec."""
 
     def __init__(self, a: DenseArgs, window: int | None, pc: ParallelContext, dtype: torch.dtype,
-                 rotary: RotaryEmbedding, norm: type[RMSNorm] = RMSNorm) -> None:
-        """`norm`: the class of the per-head q/k norms."""
+                 rotary: RotaryEmbedding, norm: type[RMSNorm] = RMSNorm,
+                 attention: type[Attention] = Attention) -> None:
+        """`norm`: the class of the per-head q/k norms; `attention`: of the paged attention."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, pc, a.qkv_bias,
                                           dtype)
@@ -113,7 +114,7 @@ class DenseAttention(nn.Module):
         self.k_norm = norm(a.head_dim, a.norm_eps, dtype) if a.qk_norm else None
         self.rotary = rotary  # one instance for all layers: its cos/sin tables are computed once per step
         scale = a.head_dim ** -0.5 if a.attention_scale is None else a.attention_scale
-        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, a.head_dim, scale,
+        self.attn = attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, a.head_dim, scale,
                               sliding_window=window, softcap=a.attn_softcap)
 
     def parts(self) -> dict[str, nn.Module | None]:

@@ -6,7 +6,7 @@ that CausalLM applies.
 
 Local (sliding-window) and global layers alternate: one to one in Gemma 2, five to one in Gemma 3. Gemma 2 bends
 attention scores and final logits through cap * tanh(x / cap); Gemma 3 drops that for per-head q/k norms and gives
-its local layers their own rotary base. A Gemma 3 multimodal checkpoint runs here as its language model alone.
+its local layers their own rotary base. Gemma 3 with images: strata/models/gemma3_vision.py.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 from strata.config import HFConfig
 from strata.distributed import ParallelContext
 from strata.errors import UnsupportedModelError
+from strata.layers.attention import Attention
 from strata.layers.decoder_layer import DecoderLayer, DecoderLayerSpec, GatedMLP
 from strata.layers.norm import GemmaRMSNorm
 from strata.layers.rotary import RotaryEmbedding, rope_parameters
@@ -103,9 +104,9 @@ class GemmaDecoderLayer(DecoderLayer):
     MLP (the one that adds the residual)."""
 
     def __init__(self, a: GemmaArgs, index: int, pc: ParallelContext, dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, attention: type[Attention] = Attention) -> None:
         super().__init__()
-        self.self_attn = DenseAttention(a, a.window(index), pc, dtype, rotary, norm=GemmaRMSNorm)
+        self.self_attn = DenseAttention(a, a.window(index), pc, dtype, rotary, norm=GemmaRMSNorm, attention=attention)
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, pc, dtype, activation="gelu_tanh")
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
@@ -122,9 +123,11 @@ class GemmaCausalLM(CausalLM):
     stacked_params = QKV_GATE_UP
     norm_class = GemmaRMSNorm
     ignored_weights = ("rotary_emb.inv_freq",)
+    attention_class: type[Attention] = Attention  # the multimodal model's lets an image's tokens see each other
 
     def make_layer(self, index: int) -> GemmaDecoderLayer:
-        return GemmaDecoderLayer(self.args, index, self.pc, self.dtype, self._rotary(self.args.window(index)))
+        return GemmaDecoderLayer(self.args, index, self.pc, self.dtype, self._rotary(self.args.window(index)),
+                                 self.attention_class)
 
     def _rotary(self, window: int | None) -> RotaryEmbedding:
         """One rotary embedding per kind of layer (local, global), shared by the layers of that kind so that its
@@ -144,19 +147,3 @@ class Gemma2ForCausalLM(GemmaCausalLM):
 
 class Gemma3ForCausalLM(GemmaCausalLM):
     args_class = Gemma3Args
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """A Gemma 3 multimodal checkpoint's language model alone (text prompts only): its tensors renamed from the
-    checkpoint's nesting (transformers 5 `model.language_model.*`, older `language_model.model.*`), the vision
-    tower's and projector's skipped."""
-
-    ignored_weights = ("rotary_emb.inv_freq", "vision_tower.", "multi_modal_projector.")
-    _NESTINGS = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                 ("language_model.lm_head.", "lm_head."))
-
-    def rename_weight(self, name: str) -> str:
-        for nested, own in self._NESTINGS:
-            if name.startswith(nested):
-                return own + name[len(nested):]
-        return name

@@ -16,6 +16,7 @@ from pathlib import Path
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from strata.errors import RequestError
+from strata.multimodal.image_cache import ImageCache, image_key
 
 # Bounds what one request can make the server download and hold in memory.
 MAX_REMOTE_IMAGE_BYTES = 64 * 1024 * 1024
@@ -29,12 +30,15 @@ def load_image(
     allowed_local_media_path: str | None = None,
     allow_remote_media: bool = False,
     timeout_s: float = REMOTE_TIMEOUT_S,
+    max_pixels: int | None = None,
+    cache: ImageCache | None = None,
 ) -> Image.Image:
     """Load the image `url` refers to and return it decoded, upright (EXIF orientation applied) and RGB.
 
     Accepted: `data:image/...;base64,...` URIs; `file://` URLs and plain paths inside
     `allowed_local_media_path` (relative paths are taken relative to that folder); `http(s)://` URLs
-    when `allow_remote_media`.
+    when `allow_remote_media`. Images over `max_pixels` are refused before decoding; with a `cache`, bytes
+    decoded before give the image decoded then.
     """
     if not isinstance(url, str) or not url.strip():
         raise RequestError("image URL must be a non-empty string", param=_PARAM)
@@ -56,13 +60,24 @@ def load_image(
         data = _read_local(url, allowed_local_media_path)
     else:
         raise RequestError(f"unsupported image URL scheme {scheme!r}; use a data URI", param=_PARAM)
-    return decode_image(data)
+    if cache is None:
+        return decode_image(data, max_pixels)
+    key = image_key(data)
+    image = cache.get(key)
+    if image is None:
+        image = decode_image(data, max_pixels)
+        cache.put(key, image)
+    return image
 
 
-def decode_image(data: bytes) -> Image.Image:
-    """Decode encoded image bytes (PNG, JPEG, ...) into an upright RGB image."""
+def decode_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
+    """Decode encoded image bytes (PNG, JPEG, ...) into an upright RGB image of at most `max_pixels` pixels."""
     try:
         image = Image.open(io.BytesIO(data))
+        if max_pixels is not None and image.width * image.height > max_pixels:
+            # Read from the header: a small file can declare a huge image (a decompression bomb).
+            raise RequestError(f"the image is {image.width}x{image.height} = {image.width * image.height} pixels, "
+                               f"over this server's limit of {max_pixels} (max_image_pixels)", param=_PARAM)
         # Decoding is lazy; force it here so truncated or corrupt files fail as a bad request.
         image.load()
         image = ImageOps.exif_transpose(image)

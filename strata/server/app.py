@@ -20,6 +20,7 @@ from strata.engine.async_engine import AsyncEngine
 from strata.errors import AuthError, ConfigError, EngineDeadError, NotFoundError, RequestError, StrataError
 from strata.server.contract import INVOCATIONS, ServedLimits, rendered_roles
 from strata.server.gate import Gate, GateMiddleware, error_headers
+from strata.server.lora_modules import runtime_lora_updating
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi import install_openapi, route_doc
 from strata.server.protocol import (
@@ -30,18 +31,20 @@ from strata.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     LoadResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
     error_body,
     validation_error,
 )
 from strata.server.serving_chat import ChatServing
 from strata.server.serving_completions import CompletionServing
+from strata.server.serving_models import ServingModels
 from strata.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -157,8 +160,9 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
     config, names = engine.config, list(engine.config.served_model_names)
     metrics = ServerMetrics(engine, names[0])
     log_requests = not getattr(args, "disable_log_requests", False)
-    completions = CompletionServing(engine, metrics, log_requests)
-    chat = ChatServing(engine, metrics, log_requests, chat_template=config.chat_template,
+    models = ServingModels(engine, getattr(args, "lora_modules", None) or [])
+    completions = CompletionServing(engine, metrics, log_requests, models=models)
+    chat = ChatServing(engine, metrics, log_requests, models=models, chat_template=config.chat_template,
                        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
                        allow_remote_media=getattr(args, "allow_remote_media", False),
                        tool_call_parser=auto_tool_parser(args))
@@ -175,11 +179,8 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
     v1 = APIRouter(prefix="/v1", dependencies=auth)
 
     @v1.get("/models", **route_doc(None, ModelList, auth=True))
-    async def models() -> Response:
-        # root: the model as given, as vLLM has it (a GGUF file, not its folder; a Hub ID, not the cache path)
-        root = config.model.source.model if config.model.source else config.model.path
-        cards = [ModelCard(id=name, root=root, max_model_len=config.model.max_model_len) for name in names]
-        return json_response(ModelList(data=cards))
+    async def list_models() -> Response:
+        return json_response(ModelList(data=models.cards(config.model.max_model_len)))
 
     @v1.post("/completions", **route_doc(CompletionRequest, CompletionResponse, auth=True, stream=True))
     async def create_completion(request: Request) -> Response:
@@ -202,10 +203,12 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
             is_chat = False  # the completions parser reports what is wrong with the body
         return await (create_chat_completion if is_chat else create_completion)(request)
 
-    _refuse_embeddings(v1)
+    _add_lora_routes(v1, models)
+    _refuse_pooling(app, v1)
     app.include_router(v1)
     _add_plain_routes(app, engine, metrics, chat)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                          LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest],
                     [CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ModelList, LoadResponse,
                      VersionResponse, TokenizerInfo, TokenizeResponse, DetokenizeResponse],
                     served_limits(engine, chat.tool_call_parser is not None),
@@ -213,13 +216,48 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace | None = None, gate:
     return app
 
 
+def _add_lora_routes(v1: APIRouter, models: ServingModels) -> None:
+    """vLLM's runtime adapter routes, served only when STRATA_ / VLLM_ALLOW_RUNTIME_LORA_UPDATING is true."""
+    if not runtime_lora_updating():
+        return
+
+    @v1.post("/load_lora_adapter", **route_doc(LoadLoRAAdapterRequest, "text/plain", auth=True))
+    async def load_lora_adapter(request: Request) -> Response:
+        """Serve a PEFT adapter folder under a new model name; a bad folder or a name in use is a 400."""
+        body = await parse_body(request, LoadLoRAAdapterRequest)
+        await models.load_lora(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @v1.post("/unload_lora_adapter", **route_doc(UnloadLoRAAdapterRequest, "text/plain", auth=True))
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await parse_body(request, UnloadLoRAAdapterRequest)
+        await models.unload_lora(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                        media_type="text/plain")
+
+
 def _refuse_embeddings(v1: APIRouter) -> None:
     @v1.post("/embeddings", include_in_schema=False)
     async def embeddings() -> Response:
-        raise RequestError("/v1/embeddings needs an embedding model: this server runs a generative model. Serve an "
-                           "encoder checkpoint (e.g. BertModel) with `strata serve MODEL --runner pooling`; turning "
-                           "a generative model into an embedder (--convert embed) is not supported yet",
-                           param="model")
+        raise RequestError("/v1/embeddings needs an embedding model: this server runs a generative model. Serve "
+                           "an embedding checkpoint with `strata serve MODEL --runner pooling` (an encoder such as "
+                           "BertModel, or a decoder such as Qwen3-Embedding; `--convert embed` turns any decoder "
+                           "checkpoint into one)", param="model")
+
+
+def _refuse_pooling(app: FastAPI, v1: APIRouter) -> None:
+    """The pooling routes of vLLM, answered on a generative model with a 400 naming `--runner pooling`."""
+    _refuse_embeddings(v1)
+
+    async def scoring(request: Request) -> Response:
+        raise RequestError(f"{request.url.path} needs a pooling model: this server runs a generative model. Serve a "
+                           "cross-encoder (e.g. BertForSequenceClassification, XLMRobertaForSequenceClassification) "
+                           "or an embedding model with `strata serve MODEL --runner pooling`", param="model")
+
+    for path in ("/classify", "/score", "/rerank", "/v2/rerank"):
+        app.post(path, include_in_schema=False)(scoring)
+    for path in ("/score", "/rerank"):
+        v1.post(path, include_in_schema=False)(scoring)
 
 
 def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, chat: ChatServing) -> None:

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from strata import __version__
 from strata.config.engine_args import EngineArgs
 from strata.engine.async_engine import AsyncEngine
-from strata.errors import OverloadedError, RequestError
+from strata.errors import ConfigError, OverloadedError, RequestError
 from strata.server.app import build_app
 from strata.server.gate import Gate
 
@@ -76,6 +76,8 @@ def run_server(args: argparse.Namespace) -> int:
     model, names = _resolve_model(args)
     config = EngineConfig.from_args(EngineArgs.from_cli_args(args, model), served_model_name=names,
                                     chat_template=read_chat_template(args.chat_template))
+    if getattr(args, "lora_modules", None) and config.lora is None:
+        raise ConfigError("--lora-modules needs --enable-lora", param="lora_modules")
     if config.runner == "pooling":
         from strata.server.serving_embeddings import run_pooling_server
 

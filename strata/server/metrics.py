@@ -28,7 +28,8 @@ _VLLM_FAMILIES = frozenset({
     "time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
     "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
     "request_generation_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"})
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "mm_cache_queries",
+    "mm_cache_hits"})
 
 
 class _EngineCollector(Collector):
@@ -63,6 +64,12 @@ class _EngineCollector(Collector):
                       stats.get("prefix_queries", 0))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.get("prefix_hits", 0))
         yield counter("num_preemptions", "Requests preempted (to be recomputed).", stats.get("num_preemptions", 0))
+        images = getattr(getattr(self.engine, "input", None), "image_cache", None)
+        if images is not None:  # multimodal models with --mm-processor-cache-gb > 0
+            yield counter("mm_cache_queries", "Images looked up in the decoded-image cache.", images.queries)
+            yield counter("mm_cache_hits", "Images found in the decoded-image cache.", images.hits)
+            yield gauge("mm_cache_bytes", "Bytes of decoded images cached.", images.num_bytes)
+            yield gauge("mm_cache_items", "Decoded images cached.", len(images))
         cache = self.engine.config.cache
         info = InfoMetricFamily("strata:cache_config", "KV cache configuration.")
         info.add_metric([], {"block_size": str(cache.block_size), "num_gpu_blocks": str(stats["total_blocks"]),

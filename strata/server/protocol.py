@@ -273,6 +273,20 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter: a PEFT adapter folder served under a new model name."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter (lora_int_id, which vLLM also accepts, is not needed: names are unique)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int

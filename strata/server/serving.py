@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from strata.engine.async_engine import AsyncEngine
 from strata.engine.request import ProcessedPrompt
-from strata.errors import EngineDeadError, NotFoundError, RequestError, StrataError
+from strata.errors import EngineDeadError, RequestError, StrataError
 from strata.outputs import Logprob, PositionLogprobs, RequestOutput
 from strata.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from strata.server.metrics import ServerMetrics
@@ -26,6 +26,7 @@ from strata.server.protocol import (
     UsageInfo,
     error_body,
 )
+from strata.server.serving_models import ServingModels
 from strata.server.structured import request_constraint
 
 logger = logging.getLogger(__name__)
@@ -40,23 +41,18 @@ Disconnected = Callable[[], Awaitable[None]]
 class Serving:
     """Base of the completions and chat handlers: one engine, its served names and its metrics."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, log_requests: bool = True) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, log_requests: bool = True,
+                 models: ServingModels | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.log_requests = log_requests
-        self.served_model_names = list(engine.config.served_model_names)
+        self.models = models or ServingModels(engine)  # the base model's served names and the LoRA adapters
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
 
     def check_model(self, name: str | None) -> str:
         """The served name to answer with; a missing or empty `model` means the first served name."""
-        if not name:
-            return self.served_model_names[0]
-        if name not in self.served_model_names:
-            served = ", ".join(f"`{n}`" for n in self.served_model_names)
-            raise NotFoundError(f"The model `{name}` does not exist. This server serves {served} (GET /v1/models).",
-                                param="model")
-        return name
+        return self.models.check_model(name)
 
     def check_common(self, req: SamplingFields) -> None:
         if self.engine.is_dead:
@@ -97,12 +93,15 @@ class Serving:
             structured_outputs=structured_outputs or request_constraint(req.response_format, req.structured_outputs))
 
     def open_stream(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                    arrival: float) -> AsyncIterator[RequestOutput]:
-        """The engine's stream of one prompt, processed (tokenized and validated) before the response starts,
-        so a bad prompt is a 400 even for a streamed request."""
+                    arrival: float, model: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The engine's stream of one prompt for the served name `model` (a LoRA adapter's runs with it),
+        processed (tokenized and validated) before the response starts, so a bad prompt is a 400 even for a
+        streamed request."""
+        lora = None if model is None else self.models.lora_request(model)
         if self.log_requests:
-            logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt.token_ids), params)
-        stream = self.engine.generate(request_id, prompt, params)
+            logger.info("request %s: %d prompt tokens, %s%s", request_id, len(prompt.token_ids), params,
+                        "" if lora is None else f", LoRA adapter {lora.lora_name!r}")
+        stream = self.engine.generate(request_id, prompt, params, lora_request=lora)
         return self.metrics.track(_engine_failures_as_500(stream), arrival)
 
     def token_text(self, token_id: int) -> str:

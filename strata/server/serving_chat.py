@@ -90,7 +90,7 @@ class ChatServing(Serving):
                      ) -> ChatCompletionResponse | AsyncIterator[str] | None:
         job = self._job(req)
         await self.engine.prepare_grammar(job.params)
-        stream = self.open_stream(job.request_id, job.prompt, job.params, time.monotonic())
+        stream = self.open_stream(job.request_id, job.prompt, job.params, time.monotonic(), job.model)
         if req.stream:
             return sse_with_errors(self._stream(job, stream))
         finals = await final_outputs([stream], disconnected)

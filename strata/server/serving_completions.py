@@ -49,7 +49,7 @@ class CompletionServing(Serving):
         job = self._job(req)
         arrival = time.monotonic()
         await self.engine.prepare_grammar(job.params)
-        streams = [self.open_stream(f"{job.request_id}-{i}", p, job.params, arrival)
+        streams = [self.open_stream(f"{job.request_id}-{i}", p, job.params, arrival, job.model)
                    for i, p in enumerate(job.prompts)]
         if req.stream:
             return sse_with_errors(self._stream(job, streams))

@@ -21,6 +21,7 @@ from strata.errors import NotFoundError, RequestError, StrataError
 from strata.server.app import _api_key_check, _handle_error, json_response, parse_body
 from strata.server.gate import Gate, GateMiddleware
 from strata.server.protocol import INT64_MAX, ModelCard, ModelList, VersionResponse, _Request, random_id
+from strata.server.serving_score import ScoreServing, add_score_routes
 
 logger = logging.getLogger(__name__)
 TokenIds = list[Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]]
@@ -127,9 +128,10 @@ def build_pooling_app(engine: PoolingEngine, args: argparse.Namespace | None = N
     @v1.post("/completions")
     @v1.post("/chat/completions")
     async def generation(request: Request) -> Response:
-        raise RequestError("this model serves /v1/embeddings (and /pooling): it is an embedding model "
-                           "(--runner pooling) and cannot generate text; serve a generative model for "
-                           f"{request.url.path}", param="model")
+        serves = ("/classify, /score and /rerank: it is a cross-encoder" if engine.runner.num_labels is not None
+                  else "/v1/embeddings (and /pooling, /score): it is an embedding model")
+        raise RequestError(f"this model serves {serves} (--runner pooling) and cannot generate text; serve a "
+                           f"generative model for {request.url.path}", param="model")
 
     @app.post("/pooling")
     async def pooling(request: Request) -> Response:
@@ -143,6 +145,7 @@ def build_pooling_app(engine: PoolingEngine, args: argparse.Namespace | None = N
     async def version() -> Response:
         return json_response(VersionResponse(version=__version__))
 
+    add_score_routes(app, v1, ScoreServing(engine, serving.check_model, serving.names))
     app.include_router(v1)
     return app
 
@@ -155,8 +158,9 @@ def run_pooling_server(args: argparse.Namespace, config: Any) -> int:
     engine = PoolingEngine(config)
     level = getattr(args, "uvicorn_log_level", None) or str(getattr(args, "log_level", "INFO")).lower()
     access_log = not (args.disable_log_requests or getattr(args, "disable_uvicorn_access_log", False))
-    logger.info("strata %s is serving the embedding model %s at http://%s:%d/v1/embeddings", __version__,
-                ", ".join(config.served_model_names), args.host, args.port)
+    routes = "/classify, /score, /rerank" if engine.runner.num_labels is not None else "/v1/embeddings"
+    logger.info("strata %s is serving the pooling model %s at http://%s:%d (%s)", __version__,
+                ", ".join(config.served_model_names), args.host, args.port, routes)
     uvicorn.run(build_pooling_app(engine, args), host=args.host, port=args.port, log_level=level,
                 access_log=access_log)
     return 0

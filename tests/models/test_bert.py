@@ -76,16 +76,12 @@ def test_dimensions_refused_without_matryoshka_and_truncated_with_it(mean_normal
     torch.testing.assert_close(torch.tensor(cut.outputs.embedding), expected)
 
 
-def test_generation_on_an_encoder_and_embed_on_a_decoder_are_refused(mean_normalized, llama_gqa):
+def test_generation_on_an_encoder_is_refused(mean_normalized):
     with LLM(str(mean_normalized)) as llm:
         with pytest.raises(RequestError, match="LLM.embed"):
             llm.generate("hello")
     with pytest.raises(ConfigError, match="--runner pooling"):
         LLM(str(mean_normalized), runner="generate")
-    with pytest.raises(ConfigError, match="--convert embed"):
-        LLM(str(llama_gqa), runner="pooling")
-    with pytest.raises(ConfigError, match="not supported yet"):
-        LLM(str(llama_gqa), convert="embed")
 
 
 def test_checkpoint_with_an_unexpected_tensor_is_refused(tmp_path):

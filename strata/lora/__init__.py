@@ -1,0 +1,1 @@
+"""LoRA adapters: the request naming one (LoRARequest) and PEFT adapter folders read and checked (peft.py)."""
