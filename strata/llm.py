@@ -153,7 +153,8 @@ class LLM:
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """`tools`: OpenAI function tools, handed to the chat template (`tools=` of apply_chat_template).
-        `mm_processor_kwargs`: the image processor's per-request options (Qwen2.5-VL: min_pixels, max_pixels).
+        `mm_processor_kwargs`: the image processor's per-request options (Qwen2.5-VL: min_pixels, max_pixels;
+        Gemma 3: do_pan_and_scan and the pan_and_scan_* options).
         `chat_template_kwargs`: more keywords for the template (e.g. {"enable_thinking": False}).
         `continue_final_message`: the last (assistant) message is continued instead of a new one started."""
         if self.runner == "pooling":

@@ -14,9 +14,19 @@ def gguf_activations(llm: Any) -> str:
         return "activations float (no GGUF weights)"
     if quant.activations == "int8":
         return (f"GGUF products with int8 activations (x rounded to Q8_0 / Q8_K blocks as llama.cpp rounds it, "
-                f"decode and prefill, {cpu_matmul.int8_activations_set()} kernels; decode layer by layer, not in "
-                "the fused C step)")
+                f"decode and prefill, {cpu_matmul.int8_activations_set()} kernels{_experts(quant)})")
     return "GGUF products with float activations"
+
+
+def _experts(quant: Any) -> str:
+    """The routed experts' share of the int8 products, when the file has experts."""
+    from strata.gguf.types import MXFP4
+
+    if MXFP4 in quant.tensor_types.values():
+        return "; MXFP4 experts times Q8_0 rows, each token's row rounded once a step for all its experts"
+    if any(".experts." in name for name in quant.tensor_types):
+        return "; routed experts too, each token's row rounded once a step for all its experts"
+    return ""
 
 
 def activations_line(llm: Any) -> str:

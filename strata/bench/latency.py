@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.bench.image_latency import add_image_latency_args, run_image_latency
 from strata.bench.lora import add_lora_bench_args, bench_lora_requests, decode_path_line
 from strata.bench.throughput import random_prompts
 from strata.config.engine_args import EngineArgs, engine_kwargs
@@ -32,6 +33,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=3,
                         help="timed runs; the best of them and their mean are both printed")
     parser.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    add_image_latency_args(parser)
     add_lora_bench_args(parser)
     EngineArgs.add_cli_args(parser)
 
@@ -165,6 +167,14 @@ def run_latency(args: argparse.Namespace) -> int:
         raise SystemExit("--output-len must be at least 2 to time decode steps")
     if args.num_iters < 1:
         raise SystemExit("--num-iters must be at least 1")
+    if args.hf_encoder and not args.image:
+        raise SystemExit("--hf-encoder times the vision encoder of an --image run: give --image")
+    if args.image:
+        result = run_image_latency(args)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     model = ModelConfig.from_path(resolve_source(EngineArgs.from_cli_args(args, args.model)))
     prompts = random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed, avoid=model.eos_token_ids)
     nbytes = weight_bytes(args)

@@ -77,8 +77,8 @@ def bench_lora_requests(args: argparse.Namespace, num_prompts: int) -> list[LoRA
 
 
 def decode_path_line(llm: Any, loras: list[LoRARequest | None] | None) -> str:
-    """Which path the decode steps took: the fused CPU paths read the base weights only, so steps with adapter
-    rows run in torch (the slots' shrink and expand beside each linear)."""
+    """Which path the decode steps took: the fused CPU paths add adapter rows' deltas in C (each projection's
+    shrink and expand after its base product); steps they decline run in torch."""
     if not loras:
         return ""
     runner = getattr(llm.engine.executor, "runner", None)
@@ -86,6 +86,7 @@ def decode_path_line(llm: Any, loras: list[LoRARequest | None] | None) -> str:
     steps = llm.engine.stats["steps"]
     ids = {lora.lora_int_id for lora in loras if lora is not None}
     fused = "no fused CPU decode path here" if backend is None else \
-        f"{sum(backend.served.values())} of {steps} steps on a fused CPU decode path"
-    return (f"LoRA: {len(ids)} adapter id(s) from {loras[0].lora_path}; {fused}; steps with adapter rows run the "
-            "torch path (base product, then each slot's shrink and expand)\n")
+        f"{sum(backend.served.values())} of {steps} steps on a fused CPU decode path, {backend.adapter_steps} of " \
+        "them with adapter rows (shrink and expand in C)"
+    return (f"LoRA: {len(ids)} adapter id(s) from {loras[0].lora_path}; {fused}; other steps with adapter rows run "
+            "the modules' path (each projection's deltas beside it: in C up to 32 rows on CPU, else matmuls)\n")

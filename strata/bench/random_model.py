@@ -40,6 +40,14 @@ PRESETS: dict[str, dict] = {
     # ~30M parameters: the issue's Mamba2 benchmark shape
     "mamba2-30m": dict(architecture="mamba2", hidden_size=512, num_hidden_layers=8, state_size=64, head_dim=64,
                        vocab_size=32000, tie_word_embeddings=True),
+    # ~320M parameters: Qwen2.5-VL-3B's vision blocks (width 1280, 16 heads, MLP 3420, 112-pixel windows) at depth 8
+    # (~190M, full attention in blocks 3 and 7) before an 8-layer Qwen2 of width 1024 (~130M)
+    "qwen2_5_vl-300m": dict(architecture="qwen2_5_vl", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                            num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                            vision=dict(depth=8, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                        window_size=112, fullatt_block_indexes=[3, 7])),
+    # bert-base (~110M): the encoder of `strata bench embed` (strata/bench/random_encoder.py)
+    "bert-110m": dict(architecture="bert"),
 }
 
 
@@ -57,9 +65,17 @@ def build(preset: str, output: Path, seed: int = 0, dtype: torch.dtype = torch.f
     shape = dict(PRESETS[preset])
     kind, mxfp4 = shape.pop("architecture"), shape.pop("mxfp4", False)
     output.mkdir(parents=True, exist_ok=True)
+    if kind == "bert":
+        from strata.bench.random_encoder import bert_embedder
+
+        params = sum(p.numel() for p in bert_embedder(output, seed).parameters())
+        logger.info("wrote %s (%.1fM parameters) to %s", preset, params / 1e6, output)
+        return output
     tokenizer: PreTrainedTokenizerFast = train_tokenizer(stdlib_sources(), vocab_size=shape["vocab_size"])
     torch.manual_seed(seed)
-    if kind in _DECODERS:
+    if kind == "qwen2_5_vl":
+        model = qwen2_5_vl_model(shape, tokenizer, output)
+    elif kind in _DECODERS:
         import transformers
 
         config_class, model_class = (getattr(transformers, name) for name in _DECODERS[kind])
@@ -80,6 +96,34 @@ def build(preset: str, output: Path, seed: int = 0, dtype: torch.dtype = torch.f
     params = sum(p.numel() for p in model.parameters())
     logger.info("wrote %s (%s, %.1fM parameters) to %s", preset, kind, params / 1e6, output)
     return output
+
+
+def qwen2_5_vl_model(shape: dict, tokenizer, output: Path) -> torch.nn.Module:
+    """transformers' Qwen2_5_VLForConditionalGeneration of `shape`; the tokenizer gains Qwen's vision tokens (the demo
+    chat template writes an image as their placeholder text) and the folder transformers' default image processor
+    settings."""
+    import json
+
+    import transformers
+
+    vision_tokens = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tokenizer.add_tokens(vision_tokens, special_tokens=True)
+    ids = dict(zip(vision_tokens, tokenizer.convert_tokens_to_ids(vision_tokens), strict=True))
+    vision, text = shape.pop("vision"), {**shape, "vocab_size": len(tokenizer)}
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # Qwen2.5-VL's 16 / 24 / 24 of 128, scaled
+    text.update(max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                      "mrope_section": section})
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config={**vision, "out_hidden_size": text["hidden_size"], "tokens_per_second": 2},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True)
+    pre = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
+           "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
+    (output / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    return transformers.Qwen2_5_VLForConditionalGeneration(config)
 
 
 def experts_as_mxfp4(folder: Path, seed: int) -> None:

@@ -30,7 +30,7 @@ from strata.config.hf_config import HFConfig, apply_hf_overrides, read_config_js
 from strata.config.layout_rules import check_nodes, check_pp
 from strata.config.lora_config import LoRAConfig, lora_config
 from strata.config.multimodal_config import MultiModalConfig, multimodal_config
-from strata.config.pooling_config import resolve_runner
+from strata.config.pooling_config import check_pooling_options, resolve_runner
 from strata.config.quant_config import GGUFQuantConfig, QuantConfig, parse_quant_config
 from strata.config.speculative_config import SpeculativeConfig, check_target, parse_speculative_config
 from strata.config.tp_rules import check_quant_tp, check_tp, check_vision_tp, num_routed_experts
@@ -226,6 +226,7 @@ class EngineConfig:
     runner: str = "generate"  # "generate", or "pooling" (embeddings; strata.engine.pooling_engine)
     lora: LoRAConfig | None = None  # LoRA adapters served beside the base model (None: off, no LoRA weights)
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)  # image limits and cache
+    convert: str = "none"  # the pooling runner's decoder: "embed" or "classify" (resolve_runner); else "none"
 
     @classmethod
     def create(cls, model: str, *, served_model_name: str | list[str] | None = None,
@@ -275,17 +276,15 @@ class EngineConfig:
         speculative = parse_speculative_config(args.speculative_config)
         if speculative is not None:
             check_target(speculative, _architecture_name(model_config), hybrid, model_config.max_model_len)
-        runner = resolve_runner(args.runner, args.convert, model_config.architecture,
-                               model_config.info.pooling_only)
+        runner, convert = resolve_runner(args.runner, args.convert, model_config.architecture,
+                                         model_config.info.pooling_only, model_config.info.is_encoder)
         config = cls(model_config, parallel, cache, scheduler, args.device, args.seed, names, chat_template,
                      kernels_for_model(args.kernels, resolve_kernels(args.kernels, args.device),
                                        model_config.text_config), structured, speculative, runner,
                      lora_config(bool(args.enable_lora), args.max_loras, args.max_lora_rank, args.max_cpu_loras),
                      multimodal_config(args.limit_mm_per_prompt, args.mm_processor_cache_gb, args.max_image_pixels,
-                                       model_config.info.is_multimodal))
-        if config.lora is not None and runner != "generate":
-            raise ConfigError("enable_lora serves adapters for text generation; the pooling runner does not take "
-                              "them", param="enable_lora")
+                                       model_config.info.is_multimodal), convert)
+        check_pooling_options(runner, config.lora is not None, parallel.pipeline_parallel_size)
         validate_parallel(config)
         return config
 

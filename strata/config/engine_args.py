@@ -19,7 +19,7 @@ QUANTIZATIONS = ("experts_int8", "compressed-tensors", "gptq", "awq", "fp8", "gg
 KERNELS = ("auto", "torch", "triton")
 QUANTIZED_ACTIVATIONS = ("float", "int8")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
-CONVERTS = ("none", "embed")  # vLLM's --convert
+CONVERTS = ("none", "embed", "classify")  # vLLM's --convert
 
 
 def int_list(value: str) -> tuple[int, ...]:
@@ -122,7 +122,9 @@ class EngineArgs:
                                   "architecture converts it (--convert embed)", choices=RUNNERS)
     convert: str = _option("none", "embed: serve a generative checkpoint (e.g. Qwen3-Embedding) as an embedding model, "
                                    "its hidden states pooled as its sentence-transformers config says (default: last "
-                                   "token) and normalized", choices=CONVERTS)
+                                   "token) and normalized; classify: as a classifier, its `score` head over the last "
+                                   "token (/classify, /score; the default for *ForSequenceClassification)",
+                           choices=CONVERTS)
     hf_overrides: dict[str, Any] | None = _option(
         None, 'keys merged into the model\'s config.json before it is read, as a JSON object, e.g. '
               '{"is_matryoshka": true}, or for Qwen3-Reranker {"architectures": ["Qwen3ForSequenceClassification"], '

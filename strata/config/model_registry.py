@@ -25,7 +25,8 @@ class ModelInfo:
     # For multimodal checkpoints: the architecture of the language sub-model, whose capabilities count.
     text_architecture: str | None = None
     is_encoder: bool = False  # bidirectional, no KV cache: served by the pooling runner (embeddings)
-    # A decoder served only as a classifier (Qwen3ForSequenceClassification: the yes/no reranker), pooling runner.
+    # A decoder served only as a classifier (*ForSequenceClassification: a `score` head, or Qwen3-Reranker's yes/no
+    # logits), by the pooling runner.
     is_classifier: bool = False
 
     @property
@@ -48,6 +49,11 @@ _MODELS: dict[str, ModelInfo] = {
                                                     is_multimodal=True, text_architecture="Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ModelInfo("strata.models.dense_decoder", "Qwen3ForCausalLM"),
     "Qwen3ForSequenceClassification": ModelInfo("strata.models.dense_decoder", "Qwen3ForCausalLM", supports_pp=False,
+                                                is_classifier=True),
+    # A decoder's classification head (`score`) over its last token (vLLM's --convert classify).
+    "LlamaForSequenceClassification": ModelInfo("strata.models.llama", "LlamaForCausalLM", supports_pp=False,
+                                                is_classifier=True),
+    "Qwen2ForSequenceClassification": ModelInfo("strata.models.dense_decoder", "Qwen2ForCausalLM", supports_pp=False,
                                                 is_classifier=True),
     "Qwen3MoeForCausalLM": ModelInfo("strata.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MistralForCausalLM": ModelInfo("strata.models.dense_decoder", "MistralForCausalLM"),

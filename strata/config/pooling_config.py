@@ -98,26 +98,51 @@ def _read_json(path: Path) -> Any:
         raise ConfigError(f"cannot read {path}: {e}", param="model") from None
 
 
-def resolve_runner(runner: str, convert: str, architecture: str, pooling_only: bool) -> str:
-    """"generate" or "pooling" for --runner / --convert, refusing the combinations that cannot be served. As in vLLM,
-    `--runner pooling` on a generative architecture converts it (`--convert embed`): its final hidden states pooled
-    (last token unless the checkpoint's sentence-transformers config says otherwise) and normalized."""
-    if convert not in ("none", "embed"):
-        raise ConfigError(f"convert {convert!r} is not one of none, embed", param="convert")
+def resolve_runner(runner: str, convert: str, architecture: str, pooling_only: bool,
+                   is_encoder: bool) -> tuple[str, str]:
+    """(runner, convert) for --runner / --convert, refusing the combinations that cannot be served: "generate" or
+    "pooling", and how the pooling runner serves a decoder ("embed" or "classify"; "none" for encoders and
+    generation). As in vLLM, the pooling runner converts a generative architecture by its name: a
+    `*ForSequenceClassification` one to a classifier (its `score` head over the last token), any other to an
+    embedding model (its final hidden states pooled, last token unless its sentence-transformers config says
+    otherwise, and normalized)."""
+    if convert not in ("none", "embed", "classify"):
+        raise ConfigError(f"convert {convert!r} is not one of none, embed, classify", param="convert")
     if runner not in ("auto", "generate", "pooling"):
         raise ConfigError(f"runner {runner!r} is not one of auto, generate, pooling", param="runner")
-    if convert == "embed":
-        if runner == "generate":
-            raise ConfigError("--convert embed serves the model as an embedding model (--runner pooling); it cannot "
-                              "also generate: leave out --runner generate", param="runner")
-        return "pooling"
-    if runner == "auto":
-        return "pooling" if pooling_only else "generate"
+    if convert != "none" and runner == "generate":
+        raise ConfigError(f"--convert {convert} serves the model through the pooling runner; it cannot also "
+                          "generate: leave out --runner generate", param="runner")
     if runner == "generate" and pooling_only:
         raise ConfigError(f"{architecture} is an encoder or classifier and cannot generate text; serve it with "
                           "--runner pooling (the default for it) and call /v1/embeddings, /classify or /score",
                           param="runner")
-    return runner
+    if convert == "none" and (runner == "generate" or (runner == "auto" and not pooling_only)):
+        return "generate", "none"
+    if is_encoder:  # an encoder's own architecture says what it serves
+        if convert == "classify" and not architecture.endswith("ForSequenceClassification"):
+            raise ConfigError(f"{architecture} has no classification head to serve with --convert classify; serve "
+                              "a *ForSequenceClassification checkpoint (a cross-encoder)", param="convert")
+        return "pooling", "none"
+    if convert == "none":
+        convert = "classify" if architecture.endswith("ForSequenceClassification") else "embed"
+    return "pooling", convert
+
+
+def check_pooling_options(runner: str, enable_lora: bool, pipeline_parallel_size: int) -> None:
+    """The engine options the pooling runner refuses, before any process starts."""
+    if runner != "pooling":
+        return
+    if enable_lora:
+        raise ConfigError("enable_lora serves adapters for text generation; the pooling runner does not take "
+                          "them", param="enable_lora")
+    if isinstance(pipeline_parallel_size, int) and pipeline_parallel_size > 1:  # bad values: validate_parallel
+        # A pooling batch is one forward pass with no decode steps to overlap: stages would idle in turn, each
+        # batch paying every hand-off. TP splits each layer's work instead, and its memory as PP would.
+        raise ConfigError(f"the pooling runner (embeddings, classifiers, scoring) does not support pipeline "
+                          f"parallelism (pipeline_parallel_size={pipeline_parallel_size}): a batch is one forward "
+                          "pass, so stages could not overlap; shard the model with tensor_parallel_size instead",
+                          param="pipeline_parallel_size")
 
 
 # sentence-transformers' CrossEncoder activations as its config names them (`sentence_transformers.activation_fn`).
@@ -151,24 +176,20 @@ def score_activation(hf: Any, num_labels: int) -> str:
     return _CROSS_ENCODER_ACTIVATIONS[name]
 
 
-_RERANKER_OVERRIDES = ('--hf-overrides \'{"architectures": ["Qwen3ForSequenceClassification"], '
+RERANKER_OVERRIDES = ('--hf-overrides \'{"architectures": ["Qwen3ForSequenceClassification"], '
                        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
 
 
 def yes_no_reranker_tokens(hf: Any, architecture: str) -> tuple[str, str] | None:
     """(yes, no): the answer tokens of a decoder served as a yes/no reranker (vLLM's `classifier_from_token` of
-    [false, true] with `is_original_qwen3_reranker`, scored sigmoid(logit_yes - logit_no)); None for other models.
-    A decoder classifier without them (a trained `score` head) is refused."""
+    [false, true] with `is_original_qwen3_reranker`, scored sigmoid(logit_yes - logit_no)); None for other models
+    (a decoder classifier without them reads its trained `score` head)."""
     if not hf.get("is_original_qwen3_reranker", False):
-        if architecture == "Qwen3ForSequenceClassification":
-            raise UnsupportedModelError("Qwen3ForSequenceClassification is served as Qwen3-Reranker (yes/no logits of "
-                                        "a Qwen3ForCausalLM checkpoint) only; a trained `score` head is not supported. "
-                                        f"For Qwen3-Reranker pass {_RERANKER_OVERRIDES}", param="hf_overrides")
         return None
     tokens = hf.get("classifier_from_token")
     if architecture != "Qwen3ForSequenceClassification" or not (
             isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)):
         raise ConfigError(f"is_original_qwen3_reranker needs architectures ['Qwen3ForSequenceClassification'] and "
-                          f"classifier_from_token of two tokens (false, true), e.g. {_RERANKER_OVERRIDES}",
+                          f"classifier_from_token of two tokens (false, true), e.g. {RERANKER_OVERRIDES}",
                           param="hf_overrides")
     return tokens[1], tokens[0]

@@ -47,6 +47,7 @@ class EngineCore:
         self._grammar_state: GrammarState | None = None  # made on the first constrained request
         self._grammar_lock = threading.Lock()
         self.failures: list[tuple[str, StrataError]] = []  # requests that failed after add_request returned
+        self.unloading_loras: set[int] = set()  # adapters removed while unfinished requests use them (pinned)
 
     @property
     def grammars(self) -> GrammarState:
@@ -84,8 +85,28 @@ class EngineCore:
         self.executor.add_lora(lora)
 
     def remove_lora(self, lora_int_id: int) -> None:
-        """Forget an adapter: its host copy and slot are freed (a request still running with it reloads it)."""
-        if self.config.lora is not None:
+        """Forget an adapter: its host copy and slot are freed now, or, while unfinished requests use it, kept in
+        host memory (its folder may go) until the last of them ends (vLLM's unload: they finish with it)."""
+        if self.config.lora is None:
+            return
+        if self._lora_in_use(lora_int_id):
+            self.executor.pin_lora(lora_int_id)
+            self.unloading_loras.add(lora_int_id)
+        else:
+            self.unloading_loras.discard(lora_int_id)
+            self.executor.remove_lora(lora_int_id)
+
+    def _lora_in_use(self, lora_int_id: int) -> bool:
+        grammars = self._grammar_state
+        waiting = [] if grammars is None else [r for _, _, group, _ in grammars.waiting.values() for r in group]
+        return any(r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
+                   for r in [*self.scheduler.requests.values(), *waiting])
+
+    def _remove_unused_loras(self) -> None:
+        """Remove the unloaded adapters whose last request ended (steps already submitted come first: the
+        executor applies LoRA commands in step order)."""
+        for lora_int_id in [i for i in self.unloading_loras if not self._lora_in_use(i)]:
+            self.unloading_loras.discard(lora_int_id)
             self.executor.remove_lora(lora_int_id)
 
     def abort_requests(self, ids: Iterable[str]) -> None:
@@ -102,6 +123,8 @@ class EngineCore:
                 self.scheduler.finish(request, status)
             if self._grammar_state is not None:
                 self._grammar_state.drop(request_id)
+        if self.unloading_loras:
+            self._remove_unused_loras()
 
     def has_unfinished_requests(self) -> bool:
         grammars = self._grammar_state
@@ -138,6 +161,8 @@ class EngineCore:
         self.stats["prompt_tokens"] += sched.num_tokens - sched.num_draft_tokens - sampled
         if self.spec is not None:
             self._time_step(sched, time.perf_counter() - started)
+        if self.unloading_loras:
+            self._remove_unused_loras()
         return outputs
 
     def _grammar_ends(self, request: Request, token: int) -> bool:

@@ -12,8 +12,8 @@ import torch
 
 from strata.config import EngineConfig
 from strata.engine.scoring import ScoringMixin
-from strata.errors import ConfigError, RequestError
-from strata.executor.pooling_runner import PoolingRunner
+from strata.errors import RequestError
+from strata.executor.multiproc_pooling import create_pooling_runner
 from strata.layers.pooler import normalize
 from strata.tokenizer import load_tokenizer
 
@@ -36,17 +36,12 @@ class EmbedResult:
 
 class PoolingEngine(ScoringMixin):
     """Serves `embed` (and `classify`, `score`) for a `--runner pooling` model; thread-safe (one batch runs at a
-    time)."""
+    time). With tensor_parallel_size > 1 the runner's ranks are worker processes (shut them down with `shutdown`)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        par = config.parallel
-        if par.world_size > 1:
-            raise ConfigError("the pooling runner serves tensor_parallel_size=1, pipeline_parallel_size=1 for now "
-                              "(the encoder's layers shard over TP, but the multiprocess pooling executor is not "
-                              "wired yet)", param="tensor_parallel_size")
         self.config = config
         self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.tokenizer_gguf_file)
-        self.runner = PoolingRunner(config)
+        self.runner = create_pooling_runner(config)
         self.max_model_len = min(config.model.max_model_len, self.runner.max_positions)
         self.vocab_size = config.model.vocab_size
         self._lock = threading.Lock()
@@ -136,5 +131,9 @@ class PoolingEngine(ScoringMixin):
                 tokens += len(sequences[i])
         return out
 
+    def check_health(self) -> None:
+        """EngineDeadError once a TP worker process died."""
+        self.runner.check_health()
+
     def shutdown(self) -> None:
-        """Nothing runs in other processes."""
+        self.runner.shutdown()

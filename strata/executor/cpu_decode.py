@@ -5,7 +5,8 @@ layer's blocks in one call apiece (tensor parallelism, routed experts), all read
 
 Built only on CPU and only for a `CausalLM` every layer of whose stage is a declared `DecoderLayer`; each step then
 says whether it can take a path (decode-only, few rows, float32 activations, weights the kernels read), and the
-runner falls back to `forward` and `compute_logits` when it declines.
+runner falls back to `forward` and `compute_logits` when it declines. Steps with LoRA adapter rows take the same
+paths (`attach_lora`): each projection adds its rows' deltas in C.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from strata.layers.decode_forward import FusedDecodeForward
 from strata.layers.decode_stack import FusedDecodeStack
 from strata.layers.decoder_layer import DecoderLayer
 from strata.layers.forward_meta import ForwardMeta
+from strata.layers.lora import LoRAContext
 from strata.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,15 @@ class CpuDecode:
     @property
     def served(self) -> collections.Counter:
         return self.stack.served
+
+    @property
+    def adapter_steps(self) -> int:
+        """The served decode steps that had LoRA adapter rows."""
+        return self.stack.adapter_steps
+
+    def attach_lora(self, context: LoRAContext) -> None:
+        """Read each step's adapter rows from `context` (the LoRA manager's), so steps with them stay fused."""
+        self.stack.lora = context
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta
                       ) -> tuple[torch.Tensor, np.ndarray] | None:

@@ -21,11 +21,12 @@ from strata.models.loader import checkpoint_weights
 logger = logging.getLogger(__name__)
 
 
-def load_decoder(model_config: ModelConfig, pc: ParallelContext, device: torch.device,
-                 keep_lm_head: bool = False) -> CausalLM:
+def load_decoder(model_config: ModelConfig, pc: ParallelContext, device: torch.device, keep_lm_head: bool = False,
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> CausalLM:
     """The checkpoint's causal LM, without its LM head unless `keep_lm_head` (embeddings read the final hidden
     states; a yes/no reranker reads two logits), loaded from a `*ForCausalLM` checkpoint or from a bare `*Model` one
-    (Qwen3-Embedding's tensors lack the `model.` prefix)."""
+    (Qwen3-Embedding's tensors lack the `model.` prefix); `weights`: the checkpoint's, less those another head
+    takes (default: all of them)."""
     info = model_config.text_info
     if info.is_hybrid or model_config.info.is_multimodal:
         raise UnsupportedModelError(f"{model_config.architecture} cannot be served as an embedding model: converting "
@@ -38,7 +39,8 @@ def load_decoder(model_config: ModelConfig, pc: ParallelContext, device: torch.d
     if not keep_lm_head:
         model.lm_head = PPMissingLayer()  # replaces the registered head: nothing to load or keep
         model.missing_prefixes.append("lm_head")
-    model.load_weights(_under_model_names(model, checkpoint_weights(model_config)))
+    weights = checkpoint_weights(model_config) if weights is None else weights
+    model.load_weights(_under_model_names(model, weights))
     model.eval()
     if model_config.weight_dtype is not None:
         store_weights_as(model, model_config.weight_dtype)
@@ -55,6 +57,10 @@ def _under_model_names(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     tops = {name for name, _ in model.named_children()}
     base = model.names.layers.split(".")[0]
     for name, tensor in weights:
+        if name.startswith("score."):  # a *ForSequenceClassification head, which this conversion has no use for
+            raise UnsupportedModelError(f"the checkpoint has a classification head ({name}): serve it as a "
+                                        "classifier with --convert classify (/classify, LLM.classify)",
+                                        param="convert")
         yield (name if name.split(".")[0] in tops else f"{base}.{name}"), tensor
 
 

@@ -33,7 +33,8 @@ class DecoderScorer:
     """Loads a causal LM with its LM head; `score` runs whole prompts (each a query and document already formatted
     and tokenized as one sequence) packed flat and returns one relevance score in (0, 1) per prompt."""
 
-    def __init__(self, config: EngineConfig, yes_id: int, no_id: int, pc: ParallelContext | None = None) -> None:
+    def __init__(self, config: EngineConfig, yes_id: int, no_id: int, pc: ParallelContext | None = None,
+                 device: torch.device | None = None) -> None:
         model_config = config.model
         if model_config.gguf_files or model_config.quant_config is not None or model_config.info.is_encoder:
             raise UnsupportedModelError("a yes/no reranker is an unquantized decoder checkpoint in safetensors "
@@ -42,7 +43,7 @@ class DecoderScorer:
             if not 0 <= token_id < model_config.vocab_size:
                 raise ConfigError(f"the {name} token id {token_id} is outside the vocabulary "
                                   f"[0, {model_config.vocab_size})", param="model")
-        self.device = resolve_device(config.device)
+        self.device = device or resolve_device(config.device)
         self.model = load_decoder(model_config, pc or ParallelContext(), self.device, keep_lm_head=True)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)

@@ -39,6 +39,9 @@ class UniprocExecutor:
     def remove_lora(self, lora_int_id: int) -> None:
         self.runner.remove_lora(lora_int_id)
 
+    def pin_lora(self, lora_int_id: int) -> None:
+        self.runner.pin_lora(lora_int_id)
+
     def check_health(self) -> None:
         pass
 

@@ -24,7 +24,7 @@ from strata.layers.linear import (
     RowParallelLinear,
 )
 from strata.layers.lora import LinearLoRA, LoRABatch, LoRAContext
-from strata.lora.peft import LoRAAdapter, load_adapter
+from strata.lora.peft import SERVED_TARGETS, LoRAAdapter, load_adapter
 from strata.lora.request import LoRARequest
 from strata.models.loader import is_pp_missing
 
@@ -92,6 +92,7 @@ class LoRAModelManager:
         self.loaded: OrderedDict[int, _Prepared] = OrderedDict()  # host memory, least recently used first
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.known: dict[int, LoRARequest] = {}
+        self.pinned: set[int] = set()  # unloaded adapters unfinished requests still use: never evicted
         logger.info("LoRA: %d slots of rank up to %d in %d layers", config.max_loras, config.max_lora_rank,
                     len(self.layers))
 
@@ -99,11 +100,21 @@ class LoRAModelManager:
         """Load and check an adapter (refused with the reason), keeping it in host memory."""
         self._prepared(request)
 
+    def pin_adapter(self, lora_int_id: int) -> None:
+        """Keep a known adapter in host memory until it is removed (loaded again now if it was evicted): it was
+        unloaded while requests still use it, and its folder may be gone by the time their steps need it."""
+        request = self.known.get(lora_int_id)
+        if request is None:
+            raise RequestError(f"no LoRA adapter of lora_int_id {lora_int_id} is loaded", param="lora_int_id")
+        self._prepared(request)
+        self.pinned.add(lora_int_id)
+
     def remove_adapter(self, lora_int_id: int) -> None:
-        """Forget an adapter: its host copy, its id, and its slot (cleared). A request still running with it
-        loads it again from its folder when its next step needs it."""
+        """Forget an adapter: its host copy, its id, and its slot (cleared). The engine removes one only when no
+        unfinished request uses it (until then it is pinned)."""
         self.loaded.pop(lora_int_id, None)
         self.known.pop(lora_int_id, None)
+        self.pinned.discard(lora_int_id)
         slot = self.slot_of.pop(lora_int_id, None)
         if slot is not None:
             for layer in self.layers.values():
@@ -161,10 +172,18 @@ class LoRAModelManager:
             prepared = self._prepare(load_adapter(request, self.config.max_lora_rank))
             self.known[request.lora_int_id] = request
             self.loaded[request.lora_int_id] = prepared
-            while len(self.loaded) > self.config.max_cpu_loras:
-                self.loaded.popitem(last=False)
+            self._evict(keep=request.lora_int_id)
         self.loaded.move_to_end(request.lora_int_id)
         return prepared
+
+    def _evict(self, keep: int) -> None:
+        """Drop the least recently used host copies beyond max_cpu_loras, never a pinned one (nor `keep`): pinned
+        ones may hold the count above it until their requests end."""
+        while len(self.loaded) > self.config.max_cpu_loras:
+            victim = next((i for i in self.loaded if i not in self.pinned and i != keep), None)
+            if victim is None:
+                return
+            del self.loaded[victim]
 
     def _prepare(self, adapter: LoRAAdapter) -> _Prepared:
         """The adapter's modules mapped onto this model's layers, shapes checked, cut to this rank's part."""
@@ -199,7 +218,9 @@ class LoRAModelManager:
                 break
         layer = name.removesuffix(".weight")
         if layer not in self.layers:
-            raise RequestError(f"LoRA adapter {request.lora_name!r} targets {module}, which is not a layer LoRA "
-                               f"applies to in this model (targets: q_proj, k_proj, v_proj, o_proj, gate_proj, "
-                               f"up_proj, down_proj of the decoder layers)", param="lora_request")
+            # Experts (per-expert modules, as transformers 4 named them) and routers are MoE weights.
+            what = "an MoE expert or router, which LoRA does not apply to" if ".experts" in module or \
+                module.endswith((".gate", ".router")) else "not a layer LoRA applies to in this model"
+            raise RequestError(f"LoRA adapter {request.lora_name!r} targets {module}, {what} ({SERVED_TARGETS})",
+                               param="lora_request")
         return layer, shard

@@ -84,11 +84,12 @@ class ModelRunner:
         # The fused CPU decode paths, read from the layers' declarations once the weights are final (None off CPU
         # and for models without declared layers); each decode step asks them first.
         self.cpu_decode = CpuDecode.build(self.model, device)
-        # LoRA slots in the targetable layers (None when LoRA is off: the layers carry nothing). A step with adapter
-        # rows runs the torch path, as the fused CPU decode paths read the base weights only.
+        # LoRA slots in the targetable layers (None when LoRA is off: the layers carry nothing). The fused CPU
+        # decode paths add a step's adapter deltas in C, reading the slots' rows of each step.
         self.lora = None if config.lora is None else LoRAModelManager(self.model, config.lora, config.model.dtype,
                                                                        device)
-        self.lora_rows = False
+        if self.lora is not None and self.cpu_decode is not None:
+            self.cpu_decode.attach_lora(self.lora.context)
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -182,6 +183,10 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.remove_adapter(lora_int_id)
 
+    def pin_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.pin_adapter(lora_int_id)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None) -> RunnerOutput:
         """One step on the last stage (or the only one): the sampled tokens and the logprobs asked for."""
@@ -191,7 +196,7 @@ class ModelRunner:
             return RunnerOutput()
         input_ids, positions, meta = self._prepare(requests)
         embeds = self._multimodal_embeds(requests, input_ids)
-        if self.cpu_decode is not None and embeds is None and intermediate is None and not self.lora_rows and \
+        if self.cpu_decode is not None and embeds is None and intermediate is None and \
                 all(s.sample for s in requests):
             decoded = self.cpu_decode.decode_logits(input_ids, positions, meta)  # a CPU decode step in one C call
             if decoded is not None:
@@ -225,7 +230,7 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
                  intermediate: IntermediateTensors | None, embeds: torch.Tensor | None
                  ) -> torch.Tensor | IntermediateTensors:
-        if self.cpu_decode is not None and embeds is None and not self.lora_rows and positions.dim() == 1:
+        if self.cpu_decode is not None and embeds is None and positions.dim() == 1:
             out = self.cpu_decode.forward(input_ids, positions, meta, intermediate)
             if out is not None:
                 return out
@@ -240,7 +245,7 @@ class ModelRunner:
                      for s in requests]
         if self.lora is not None:
             loras = [self.states[s.request_id].lora_request if s.request_id in self.states else None for s in requests]
-            self.lora_rows = self.lora.set_batch(requests, loras)
+            self.lora.set_batch(requests, loras)
         input_ids, positions, meta = prepare_step(requests, self.block_size, self.device, self.config.kernels,
                                                   bool(self.mamba_layers), mm_inputs)
         if self.uses_mrope:  # image tokens' (t, h, w) rows; later tokens at index + the request's delta

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Iterable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from strata.config import EngineConfig, resolve_device
@@ -25,7 +26,7 @@ from strata.executor import protocol
 from strata.executor.model_runner import RunnerOutput
 from strata.executor.protocol import RankInfo, WorkerSpec, connect_store, shared_settings
 from strata.executor.spawn_guard import guard_message, refuse_engine_in_spawn_bootstrap, unguarded_main_script
-from strata.executor.step import SchedulerOutput
+from strata.executor.step import PoolingStep, SchedulerOutput
 from strata.executor.worker import worker_main
 from strata.lora.request import LoRARequest
 
@@ -216,7 +217,9 @@ class MultiprocExecutor:
         protocol.send_num_blocks(self._driver.store, self.num_kv_blocks)
         self._driver.store.set_timeout(_RESULT_TIMEOUT)
         self._driver.start_watchdog()
-        logger.info("KV cache: %d blocks of %d tokens on every rank", self.num_kv_blocks, config.cache.block_size)
+        if config.runner != "pooling":  # the pooling runner's ranks hold no KV cache
+            logger.info("KV cache: %d blocks of %d tokens on every rank", self.num_kv_blocks,
+                        config.cache.block_size)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -266,6 +269,9 @@ class MultiprocExecutor:
         self._loras.pop(lora_int_id, None)
         self._lora_command(protocol.LoRACommand(remove=lora_int_id))
 
+    def pin_lora(self, lora_int_id: int) -> None:
+        self._lora_command(protocol.LoRACommand(pin=lora_int_id))
+
     def _lora_command(self, command: protocol.LoRACommand) -> None:
         # Through the step sequence, so every rank applies it between the same two steps.
         n = self.submit(command)
@@ -275,7 +281,7 @@ class MultiprocExecutor:
         if errors:
             raise errors[0]
 
-    def submit(self, out: SchedulerOutput | protocol.LoRACommand) -> int:
+    def submit(self, out: SchedulerOutput | PoolingStep | protocol.LoRACommand) -> int:
         driver = self._driver
         with driver.lock:
             self._raise_if_dead()
@@ -284,7 +290,7 @@ class MultiprocExecutor:
             driver.submitted += 1
         return n
 
-    def collect(self, handle: int) -> RunnerOutput:
+    def collect(self, handle: int) -> RunnerOutput | torch.Tensor:
         driver = self._driver
         self._raise_if_dead()
         try:

@@ -12,7 +12,8 @@ torch.distributed (TP collectives, PP hand-off between stages).
    The last stage's TP rank 0 answers `out/<n>` with a RunnerOutput. Once the driver read it, it deletes both
    keys so the store stays small. When a worker died, the driver writes DEAD_MARKER there instead, waking
    its own reader. A `LoRACommand` may stand in for a step: every rank loads (or forgets) the adapter and answers
-   `lora/<n>/<rank>` (None, or the StrataError that refused it).
+   `lora/<n>/<rank>` (None, or the StrataError that refused it). Under the pooling runner the steps are
+   PoolingSteps and the results float32 tensors (embeddings or logits); ranks allocate no KV cache (0 blocks).
 5. A rank that fails writes its reason to `error`; each rank that leaves in order adds one to `exited`.
 """
 from __future__ import annotations
@@ -21,15 +22,20 @@ import logging
 import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from strata.config import EngineConfig
 from strata.distributed import rank_layout
 from strata.errors import StrataError
 from strata.executor.model_runner import RunnerOutput
-from strata.executor.step import SchedulerOutput
+from strata.executor.step import PoolingStep, SchedulerOutput
 from strata.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from strata.executor.pooling_runner import PoolingInfo
 
 
 def connect_store(host: str, port: int, timeout: timedelta, is_master: bool = False) -> dist.TCPStore:
@@ -80,6 +86,7 @@ class RankInfo:
     max_kv_blocks: int
     settings: dict[str, object] = field(default_factory=dict)
     param_names: list[str] = field(default_factory=list)
+    pooling: PoolingInfo | None = None  # the pooling runner's model, as the engine reads it
 
 
 def shared_settings(config: EngineConfig) -> dict[str, object]:
@@ -151,18 +158,20 @@ def _out_key(n: int) -> str:
 
 @dataclass(frozen=True)
 class LoRACommand:
-    """In place of a step: every rank loads and checks `add` (or forgets the adapter of id `remove`), then answers."""
+    """In place of a step: every rank loads and checks `add` (or forgets the adapter of id `remove`, or keeps the one
+    of id `pin` in host memory until it is removed), then answers."""
 
     add: LoRARequest | None = None
     remove: int | None = None
+    pin: int | None = None
 
 
-def send_step(store: dist.Store, n: int, step: SchedulerOutput | LoRACommand | None) -> None:
+def send_step(store: dist.Store, n: int, step: SchedulerOutput | PoolingStep | LoRACommand | None) -> None:
     """Step n for every rank; None tells the ranks to leave."""
     store.set(_step_key(n), pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def recv_step(store: dist.Store, n: int) -> SchedulerOutput | LoRACommand | None:
+def recv_step(store: dist.Store, n: int) -> SchedulerOutput | PoolingStep | LoRACommand | None:
     return pickle.loads(store.get(_step_key(n)))
 
 
@@ -186,7 +195,7 @@ def take_lora_answers(store: dist.Store, n: int, world_size: int) -> list[Strata
     return [cls(message, param=param) for cls, message, param in filter(None, answers)]
 
 
-def send_result(store: dist.Store, n: int, result: RunnerOutput) -> None:
+def send_result(store: dist.Store, n: int, result: RunnerOutput | torch.Tensor) -> None:
     store.set(_out_key(n), pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
 
 
@@ -196,7 +205,7 @@ def mark_dead(store: dist.Store, steps: range) -> None:
         store.set(_out_key(n), DEAD_MARKER)
 
 
-def recv_result(store: dist.Store, n: int) -> RunnerOutput | None:
+def recv_result(store: dist.Store, n: int) -> RunnerOutput | torch.Tensor | None:
     """Step n's result, waiting for it; None when it will never come (a worker died)."""
     raw = store.get(_out_key(n))
     return None if raw == DEAD_MARKER else pickle.loads(raw)

@@ -79,3 +79,13 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not self.requests
+
+
+@dataclass(frozen=True)
+class PoolingStep:
+    """A batch of whole prompts for the pooling runner, which every rank runs: `task` "embed" ([B, hidden] vectors)
+    or "classify" ([B, num_labels] logits; `token_types`: the segment ids of pair inputs)."""
+
+    task: str
+    sequences: list[list[int]]
+    token_types: list[list[int]] | None = None

@@ -21,8 +21,9 @@ from strata.executor import protocol
 from strata.executor.kv_budget import kv_cache_blocks
 from strata.executor.model_runner import ModelRunner
 from strata.executor.parallel import init_distributed
+from strata.executor.pooling_runner import PoolingRunner
 from strata.executor.protocol import RankInfo, WorkerSpec, connect_store, shared_settings
-from strata.executor.step import SchedulerOutput
+from strata.executor.step import PoolingStep, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ def _report_failure(store: dist.TCPStore | None, spec: WorkerSpec, error: BaseEx
 
 
 class Worker:
-    """One rank: its model shard, its KV cache, and the loop that runs the driver's steps in order."""
+    """One rank: its model shard, its KV cache, and the loop that runs the driver's steps in order. Under the
+    pooling runner (embeddings, classifiers) a rank holds no KV cache, and its steps are PoolingSteps."""
 
     def __init__(self, spec: WorkerSpec, store: dist.TCPStore) -> None:
         self.spec, self.store = spec, store
@@ -108,7 +110,9 @@ class Worker:
         local_ranks = range(spec.rank - spec.local_rank, spec.rank - spec.local_rank + spec.num_local_ranks)
         self.pc = init_distributed(spec.rank, par.world_size, par.tensor_parallel_size, store, spec.backend, timeout,
                                    local_ranks)
-        self.runner = ModelRunner(config, self.pc, self.device)
+        self.pooling = config.runner == "pooling"
+        self.runner = PoolingRunner(config, self.pc, self.device) if self.pooling else \
+            ModelRunner(config, self.pc, self.device)
         self.hidden_size = config.model.text_config.hidden_size
         self.pending: PendingSend | None = None
         self.times = {"compute": 0.0, "recv": 0.0, "send": 0.0, "idle": 0.0}  # seconds, logged at shutdown
@@ -119,21 +123,26 @@ class Worker:
         False when the driver gave up during start-up (another rank failed, or the nodes disagree).
         """
         spec, runner, config = self.spec, self.runner, self.spec.config
-        per_block = runner.kv_bytes_per_block()
-        info = RankInfo(
-            rank=spec.rank, tp_rank=self.pc.tp_rank, pp_rank=self.pc.pp_rank, pid=os.getpid(),
-            host=socket.gethostname(),
-            layers=pp_layer_range(config.model.num_layers, self.pc.pp_rank, self.pc.pp_size,
-                                  config.parallel.pp_layer_partition),
-            weight_bytes=runner.weight_bytes, kv_bytes_per_block=per_block,
-            max_kv_blocks=kv_cache_blocks(config, per_block, self.device, spec.num_local_ranks, runner.state_bytes()),
-            settings=shared_settings(config),
-            param_names=runner.param_names)
+        layers = pp_layer_range(config.model.num_layers, self.pc.pp_rank, self.pc.pp_size,
+                                config.parallel.pp_layer_partition)
+        info = RankInfo(rank=spec.rank, tp_rank=self.pc.tp_rank, pp_rank=self.pc.pp_rank, pid=os.getpid(),
+                        host=socket.gethostname(), layers=layers, weight_bytes=0, kv_bytes_per_block=0,
+                        max_kv_blocks=0, settings=shared_settings(config))
+        if self.pooling:
+            params = list(runner.model.named_parameters())
+            info.weight_bytes = sum(p.numel() * p.element_size() for _, p in params)
+            info.param_names, info.pooling = [name for name, _ in params], runner.info
+        else:
+            info.weight_bytes, info.param_names = runner.weight_bytes, runner.param_names
+            info.kv_bytes_per_block = per_block = runner.kv_bytes_per_block()
+            info.max_kv_blocks = kv_cache_blocks(config, per_block, self.device, spec.num_local_ranks,
+                                                 runner.state_bytes())
         protocol.report_ready(self.store, info)
         num_blocks = protocol.recv_num_blocks(self.store)
         if num_blocks < 0:
             return False
-        runner.allocate_kv_cache(num_blocks)
+        if not self.pooling:
+            runner.allocate_kv_cache(num_blocks)
         self.store.set_timeout(_FOREVER)
         logger.info("%s ready: layers %d-%d, %d KV blocks", spec.log_prefix, info.layers[0], info.layers[1] - 1,
                     num_blocks)
@@ -149,6 +158,8 @@ class Worker:
                 break
             if isinstance(step, protocol.LoRACommand):
                 self.lora_command(n, step)
+            elif isinstance(step, PoolingStep):
+                self.pool(n, step)
             else:
                 self.execute(n, step)
             n += 1
@@ -166,11 +177,21 @@ class Worker:
         try:
             if command.add is not None:
                 self.runner.add_lora(command.add)
+            elif command.pin is not None:
+                self.runner.pin_lora(command.pin)
             else:
                 self.runner.remove_lora(command.remove)
         except StrataError as e:
             error = e
         protocol.send_lora_answer(self.store, n, self.spec.rank, error)
+
+    def pool(self, n: int, step: PoolingStep) -> None:
+        """A pooling batch: every rank runs the whole batch (one stage), TP rank 0 answers with its tensor."""
+        started = time.perf_counter()
+        result = self.runner.run(step)
+        self.times["compute"] += time.perf_counter() - started
+        if self.pc.tp_rank == 0:
+            protocol.send_result(self.store, n, result)
 
     def execute(self, n: int, step: SchedulerOutput) -> None:
         pc, t = self.pc, self.times

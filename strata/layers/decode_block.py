@@ -128,12 +128,13 @@ def kernel_norms(*norms: nn.Module | None) -> bool:
 
 class Plan:
     """A layer's two blocks, described once (after loading and packing: the weights no longer move); `mlp` None
-    when its feed-forward block runs as modules."""
+    when its feed-forward block runs as modules; `adapters`: whether the C calls add the LoRA deltas of every
+    projection with adapter slots (False: steps with adapter rows need the modules)."""
 
     def __init__(self, attention: AttentionBlock, mlp: MlpBlock | None, max_rows: int, attn: Attention,
-                 keep: list) -> None:
+                 keep: list, adapters: bool = True) -> None:
         self.attention, self.mlp, self.max_rows, self.keep = attention, mlp, max_rows, keep
-        self.attn, self.k_cache = attn, attn.k_cache
+        self.attn, self.k_cache, self.adapters = attn, attn.k_cache, adapters
 
     @property
     def current(self) -> bool:
@@ -177,6 +178,8 @@ def describe(spec: DecoderLayerSpec, ranges: int, rope: int = 0) -> Plan | None:
                     describe_linear(mlp.down_proj, mlp.down_proj.bias if first_rank else None, keep)]
     if any(d is None for d in linears):
         return None
+    projections = [spec.qkv_proj, spec.o_proj] + ([mlp.gate_up_proj, mlp.down_proj] if mlp is not None else [])
+    adapters = _attach_lora([d[0] for d in linears], projections, keep)
     max_rows = min(rows for _, rows in linears)
     hidden = spec.input_norm.weight.shape[0]
     attention_out, mlp_out = out_norms
@@ -199,7 +202,23 @@ def describe(spec: DecoderLayerSpec, ranges: int, rope: int = 0) -> Plan | None:
                              intermediate=gate_up.n // 2, gate_up=gate_up, down=down, out_scale=spec.output_scale,
                              gelu=_KERNEL_ACTIVATIONS[mlp.activation], out_norm=_kernel_weight(mlp_out, keep),
                              out_eps=mlp_out.eps if mlp_out else 0.0)
-    return Plan(attention, mlp_block, max_rows, attn, keep)
+    return Plan(attention, mlp_block, max_rows, attn, keep, adapters)
+
+
+def _attach_lora(linears: list[Linear], layers: list[PackableLinear], keep: list) -> bool:
+    """Point each description at its layer's LoRA slots; False when a layer's slots are ones the C kernel cannot
+    read (then a step with adapter rows keeps the modules)."""
+    ready = True
+    for linear, layer in zip(linears, layers, strict=True):
+        if layer.lora is None:
+            continue
+        view = layer.lora.kernel_view()
+        if view is None:
+            ready = False
+            continue
+        keep += [view, layer.lora]
+        linear.lora = ctypes.addressof(view)
+    return ready
 
 
 class FusedDecodeLayer:

@@ -56,7 +56,7 @@ class FusedDecodeForward:
             return None
         attention, mlp, widest, _ = blocks
         model = self._model[0]
-        step, _ = step_description(meta, self.stack.windows, rows)
+        step, _ = step_description(meta, self.stack.windows, rows, lora_slots=self.stack.lora_slots())
         need = rows * (4 * model.head.k + 2 * model.ropes * model.rope_half) + widest.scratch_floats(rows)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
@@ -75,6 +75,7 @@ class FusedDecodeForward:
         if status:
             raise MemoryError(f"the decode step could not allocate its scratch memory (status {status})")
         self.stack.served["whole step"] += 1
+        self.stack.adapter_steps += self.stack.lora_slots() is not None
         return logits, argmax
 
     def _bind_rope(self, rows: int) -> None:

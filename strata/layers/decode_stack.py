@@ -4,7 +4,8 @@ the key ranges of each attention kind), each layer's blocks in one C call apiece
 The per-layer calls still paid about 60 us a layer in Python (module calls, `serves`, tensors for each block's
 output), more after the layers' weights streamed through the caches and left Python's code cold: without tensor
 parallelism, and when every layer's feed-forward block is a SwiGLU MLP, all layers (and on the last stage the final
-norm) run in one call."""
+norm) run in one call. Steps with LoRA adapter rows take the same calls, each projection adding its rows' deltas in
+C (strata/kernels/cpu/csrc/lora.c) where the layers' slots are float32."""
 from __future__ import annotations
 
 import collections
@@ -18,13 +19,15 @@ from strata.kernels.cpu.abi import AttentionBlock, KeyRanges, MlpBlock, Step
 from strata.layers.attention import AttentionMetadata
 from strata.layers.decode_block import FusedDecodeLayer, Plan, is_decode_step, kernel_norms, norm_kernel_weight
 from strata.layers.decoder_layer import DecoderLayerSpec
+from strata.layers.lora import LoRAContext
 
 
 def step_description(meta: AttentionMetadata, windows: list, tokens: int, cos: torch.Tensor | None = None,
-                     sin: torch.Tensor | None = None) -> tuple[Step, tuple]:
-    """A decode step's slots, rotary cos/sin (left for the callee when None) and the key ranges of each attention
-    kind in `windows`, as the C blocks read them, and what it points into."""
-    ranges, keep = [], [cos, sin, meta.slot_mapping]
+                     sin: torch.Tensor | None = None, lora_slots: torch.Tensor | None = None) -> tuple[Step, tuple]:
+    """A decode step's slots, rotary cos/sin (left for the callee when None), the key ranges of each attention
+    kind in `windows` and each row's LoRA slot (None: no adapter rows), as the C blocks read them, and what it
+    points into."""
+    ranges, keep = [], [cos, sin, meta.slot_mapping, lora_slots]
     for window, chunk in windows:
         tables, first_keys, seq_lens = meta.decode_key_ranges(window, chunk)
         ranges.append(KeyRanges(max_blocks=tables.shape[1], block_tables=tables.data_ptr(),
@@ -34,7 +37,8 @@ def step_description(meta: AttentionMetadata, windows: list, tokens: int, cos: t
     keep.append(array)
     step = Step(tokens=tokens, cos=None if cos is None else cos.data_ptr(),
                  sin=None if sin is None else sin.data_ptr(), ranges=ctypes.cast(array, ctypes.POINTER(KeyRanges)),
-                 slots=meta.slot_mapping.data_ptr(), threads=torch.get_num_threads())
+                 slots=meta.slot_mapping.data_ptr(), threads=torch.get_num_threads(),
+                 lora_slots=None if lora_slots is None else lora_slots.data_ptr())
     return step, tuple(keep)
 
 
@@ -52,6 +56,12 @@ class FusedDecodeStack:
         self._arrays: tuple | None = None  # (plans, their blocks as C arrays, the widest plan, the fewest rows)
         # Decode steps each path served: "whole step" (FusedDecodeForward), "stack", "blocks" (layer 0's calls).
         self.served: collections.Counter = collections.Counter()
+        self.lora: LoRAContext | None = None  # the step's adapter rows, when the model has LoRA slots
+        self.adapter_steps = 0  # the served steps with adapter rows
+
+    def lora_slots(self) -> torch.Tensor | None:
+        """Each row's LoRA slot of the current step (-1: none), None when no row uses an adapter."""
+        return None if self.lora is None else self.lora.batch.row_slots
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's float32 cos and sin of every rotary, [rotaries * tokens, rotary_dim / 2] each."""
@@ -68,7 +78,7 @@ class FusedDecodeStack:
         need = widest.scratch_floats(tokens)
         if cached is None or cached[1].numel() < need:
             cos, sin = self.cos_sin(positions)
-            step, keep = step_description(meta, self.windows, tokens, cos, sin)
+            step, keep = step_description(meta, self.windows, tokens, cos, sin, self.lora_slots())
             cached = (ctypes.byref(step), torch.empty(need, dtype=torch.float32), step, keep)
             meta._masks[key] = cached
         return cached[0], cached[1]
@@ -76,11 +86,13 @@ class FusedDecodeStack:
     def layer(self, index: int, layer: nn.Module, positions: torch.Tensor, x: torch.Tensor,
               residual: torch.Tensor | None, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index` of the stage: its blocks' C calls when they serve the step, else the layer's modules."""
-        fused = self.fused[index]
-        if not fused.serves(x, meta):
+        fused, slots = self.fused[index], self.lora_slots()
+        if not fused.serves(x, meta) or (slots is not None and (not fused.plan.adapters
+                                                                 or slots.shape[0] != x.shape[0])):
             return layer(positions, x, residual, meta)
         if index == 0:
             self.served["blocks"] += 1
+            self.adapter_steps += slots is not None
         return fused(positions, x, residual, meta, self.step_for(meta, positions, x.shape[0], fused.plan))
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -107,6 +119,7 @@ class FusedDecodeStack:
         if status:
             raise MemoryError("decode layers could not allocate their scratch memory")
         self.served["stack"] += 1
+        self.adapter_steps += self.lora_slots() is not None
         return (out, residual) if norm is None else (hidden, residual)
 
     def blocks(self, rows: int, meta: object) -> tuple | None:
@@ -123,6 +136,9 @@ class FusedDecodeStack:
             if arrays is None:
                 self.enabled = False
                 return None
+        slots = self.lora_slots()
+        if slots is not None and (slots.shape[0] != rows or not all(p.adapters for p in arrays[0])):
+            return None
         return arrays[1:5] if rows <= arrays[5] else None
 
     def _describe(self, plans: list[Plan]) -> tuple | None:

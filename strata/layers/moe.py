@@ -210,6 +210,10 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         flat_weights = weights.flatten()
         out = torch.zeros_like(x)
+        # int8 activations: each token's row rounded once, read by every expert it goes to (llama.cpp's mul_mat_id);
+        # a weight on the input makes each (token, expert) input its own, rounded by its own product.
+        round_inputs = None if self.weight_on_input else getattr(self.quant, "round_inputs", None)
+        rounded = round_inputs(x) if round_inputs is not None else None
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
@@ -218,11 +222,12 @@ class FusedMoE(nn.Module):
             start += n
             tokens = pairs // self.top_k
             w = flat_weights[pairs].to(x.dtype).unsqueeze(1)
-            h = x[tokens]
-            if self.weight_on_input:  # the score scales the expert's input, not its output (SwiGLU is not linear)
-                y = self._expert(expert, h * w)
+            if rounded is not None:
+                y = self.quant.apply_rounded(expert, rounded, tokens) * w
+            elif self.weight_on_input:  # the score scales the expert's input, not its output (SwiGLU is not linear)
+                y = self._expert(expert, x[tokens] * w)
             else:
-                y = self._expert(expert, h) * w
+                y = self._expert(expert, x[tokens]) * w
             out.index_add_(0, tokens, y)
         return out
 

@@ -18,6 +18,9 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 _PARAM = "lora_request"
+# What LoRA applies to, for refusals of anything else.
+SERVED_TARGETS = ("adapters may target the attention (q_proj, k_proj, v_proj, o_proj) and dense MLP (gate_proj, "
+                  "up_proj, down_proj) projections of the decoder layers")
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,11 @@ def read_config(request: LoRARequest, max_lora_rank: int) -> dict[str, Any]:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except json.JSONDecodeError as e:
         raise _refuse(request, f"{CONFIG_FILE} is not valid JSON ({e})") from None
+    # target_parameters first: PEFT writes a rank_pattern for them too, and this is the reason that matters.
     checks = [
         (config.get("peft_type", "LORA") != "LORA", f"peft_type {config.get('peft_type')!r} is not LORA"),
+        (bool(config.get("target_parameters")), f"target_parameters {config.get('target_parameters')} (LoRA on "
+                                                f"MoE expert weights) is not supported: {SERVED_TARGETS}"),
         (bool(config.get("modules_to_save")), f"modules_to_save {config.get('modules_to_save')} (fully trained "
                                               "copies of base modules) is not supported"),
         (bool(config.get("use_dora")), "DoRA (use_dora) is not supported"),
@@ -55,7 +61,6 @@ def read_config(request: LoRARequest, max_lora_rank: int) -> dict[str, Any]:
         (bool(config.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D-style weights) is not supported"),
         (bool(config.get("rank_pattern")) or bool(config.get("alpha_pattern")),
          "per-module rank_pattern / alpha_pattern is not supported"),
-        (bool(config.get("target_parameters")), "target_parameters (LoRA on expert parameters) is not supported"),
     ]
     for refused, reason in checks:
         if refused:

@@ -1,10 +1,11 @@
 """BERT encoders (`BertModel`: bge, e5, all-MiniLM; `BertForSequenceClassification`: ms-marco cross-encoders):
 post-norm layers, bidirectional attention, no KV cache.
 
-Tokens of a batch are packed flat (linears see only real tokens); attention alone pads them per sequence and
-masks the padding. Heads and the MLP are sharded over TP ranks as the decoders' are."""
+Tokens of a batch are packed flat: linears see only real tokens, and attention reads each sequence's rows in place
+(strata.layers.encoder_attention). Heads and the MLP are sharded over TP ranks as the decoders' are."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from torch import nn
 from strata.distributed import ParallelContext
 from strata.errors import UnsupportedModelError
 from strata.layers.embedding import VocabParallelEmbedding
+from strata.layers.encoder_attention import packed_attention
 from strata.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -23,6 +25,7 @@ from strata.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from strata.layers.linear_epilogue import activated_linear, residual_linear
 from strata.models import loader
 
 _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -81,6 +84,11 @@ class PackedBatch:
     def first_tokens(self) -> torch.Tensor:
         """[B] each sequence's first token (CLS) in the packed layout."""
         return torch.cumsum(self.seq_lens, 0) - self.seq_lens
+
+    @functools.cached_property
+    def seq_starts(self) -> torch.Tensor:
+        """[B + 1] int64 on the CPU: where each sequence starts in the packed layout, then the token count."""
+        return F.pad(torch.cumsum(self.seq_lens.cpu(), 0), (1, 0))
 
     @property
     def rows(self) -> torch.Tensor:
@@ -149,23 +157,18 @@ class BertLayer(nn.Module):
         self.intermediate = ColumnParallelLinear(h, args.intermediate_size, pc, bias=True, dtype=dtype)
         self.output = RowParallelLinear(args.intermediate_size, h, pc, bias=True, dtype=dtype)
         self.out_norm = LayerNorm(h, args.layer_norm_eps, dtype)
+        self.hidden_act = args.hidden_act
         self.act = _ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        x = self.attn_norm(x + self.attn_out(self._attend(x, batch)))
-        return self.out_norm(x + self.output(self.act(self.intermediate(x))))
+        x = self.attn_norm(residual_linear(self.attn_out, self._attend(x, batch), x))
+        hidden = activated_linear(self.intermediate, x, self.hidden_act, self.act)
+        return self.out_norm(residual_linear(self.output, hidden, x))
 
     def _attend(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         q, k, v = self.qkv.split_qkv(self.qkv(x))
-        heads, d, b = self.qkv.num_heads, self.head_dim, batch.seq_lens.shape[0]
-
-        def padded(t: torch.Tensor) -> torch.Tensor:  # [T, heads*d] -> [B, heads, max_len, d]
-            grid = t.new_zeros(b * batch.max_len, heads * d)
-            grid[batch.pad_index] = t
-            return grid.view(b, batch.max_len, heads, d).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=batch.key_mask)
-        return out.transpose(1, 2).reshape(b * batch.max_len, heads * d)[batch.pad_index]
+        return packed_attention(q, k, v, self.qkv.num_heads, batch.seq_starts, batch.pad_index, batch.key_mask,
+                                batch.max_len)
 
 
 class BertModel(nn.Module):

@@ -76,11 +76,24 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = (t.view(n, -1, self.head_dim) for t in self.qkv_proj.split_qkv(self.qkv_proj(x)))
         q, k = rotate_half_float(q, cos, sin), rotate_half_float(k, cos, sin)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, N, D]
-        out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-            out[:, start:end] = F.scaled_dot_product_attention(q[:, start:end], k[:, start:end], v[:, start:end])
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+        out = q.new_empty(n, q.shape[1] * self.head_dim)
+        for start, end, count in equal_span_runs(cu_seqlens):
+            # [spans, H, L, D] views: one 4-D call per run of equal spans (a 3-D call misses torch's CPU flash
+            # kernel for its unfused math path, ~2.5x slower at a 1024 x 768 image's 3996 patches)
+            q_, k_, v_ = (t[start:end].unflatten(0, (count, -1)).transpose(1, 2) for t in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).reshape(end - start, -1)
+        return self.proj(out)
+
+
+def equal_span_runs(cu_seqlens: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, spans) of each run of consecutive spans of one length: the full windows of a row of windows."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        if runs and end - start == (runs[-1][1] - runs[-1][0]) // runs[-1][2]:
+            runs[-1] = (runs[-1][0], end, runs[-1][2] + 1)
+        elif end > start:
+            runs.append((start, end, 1))
+    return runs
 
 
 class VisionBlock(nn.Module):

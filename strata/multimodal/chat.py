@@ -210,6 +210,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
     placeholder = processor.image_placeholder if processor is not None else IMAGE
     parsed, refs = parse_message_content(messages, template_renders_parts(template), processor is not None,
                                          placeholder)
+    if mm_processor_kwargs and not getattr(processor, "accepts_processor_kwargs", False):
+        # refused with or without images: the model's processor (if any) takes no per-request options
+        raise RequestError("mm_processor_kwargs is not supported for this model", param="mm_processor_kwargs")
     text = apply_chat_template(tokenizer, parsed, chat_template, add_generation_prompt, **template_kwargs)
     if not refs:
         return ChatPrompt(text, tokenizer(text, add_special_tokens=False).input_ids, None)
@@ -219,10 +222,6 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
               load_image(r, allowed_local_media_path=allowed_local_media_path, allow_remote_media=allow_remote_media,
                          max_pixels=mm_config.max_image_pixels, cache=image_cache)
               for r in refs]
-    if not mm_processor_kwargs:
-        ids, inputs = processor.process_text(text, images)
-    elif getattr(processor, "accepts_processor_kwargs", False):
-        ids, inputs = processor.process_text(text, images, mm_processor_kwargs)
-    else:
-        raise RequestError("mm_processor_kwargs is not supported for this model", param="mm_processor_kwargs")
+    ids, inputs = (processor.process_text(text, images, mm_processor_kwargs) if mm_processor_kwargs
+                   else processor.process_text(text, images))
     return ChatPrompt(text, ids, inputs)

@@ -106,6 +106,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # for RAG chat templates (`documents=` of the template)
+    mm_processor_kwargs: dict[str, Any] | None = None  # the image processor's options (Qwen2.5-VL: min/max_pixels)
 
 
 class TokenizeRequest(_Request):

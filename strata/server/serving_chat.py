@@ -73,9 +73,11 @@ class ChatServing(Serving):
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: str | None = None,
-               template_kwargs: dict[str, Any] | None = None, validate: bool = True, **fields: Any) -> ProcessedPrompt:
+               template_kwargs: dict[str, Any] | None = None, validate: bool = True,
+               mm_processor_kwargs: dict[str, Any] | None = None, **fields: Any) -> ProcessedPrompt:
         """The conversation as a prompt, validated unless asked not to (the template carries its own BOS, so
-        none is added). `template_kwargs`: the request's chat_template_kwargs; `fields`: its tools and documents."""
+        none is added). `template_kwargs`: the request's chat_template_kwargs; `fields`: its tools and documents;
+        `mm_processor_kwargs`: the image processor's per-request options."""
         unknown = sorted({m.role for m in messages} - set(self.roles))
         if unknown and self.roles:
             raise RequestError(f"messages: role {unknown[0]!r} is not one of {', '.join(self.roles)} (the roles the "
@@ -84,7 +86,8 @@ class ChatServing(Serving):
                                                                continue_final_message, **fields)
         return self.engine.input.render_chat(template_messages([m.model_dump(exclude_none=True) for m in messages]),
                                              chat_template or self.chat_template, add_generation_prompt,
-                                             template_kwargs=kwargs, validate=validate, **self.media_options)
+                                             template_kwargs=kwargs, validate=validate,
+                                             mm_processor_kwargs=mm_processor_kwargs, **self.media_options)
 
     async def create(self, req: ChatCompletionRequest, disconnected: Disconnected | None = None
                      ) -> ChatCompletionResponse | AsyncIterator[str] | None:
@@ -117,7 +120,7 @@ class ChatServing(Serving):
             params = params.clone(skip_special_tokens=False)
         prompt = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                              req.chat_template, req.chat_template_kwargs, tools=req.tools or None,
-                             documents=req.documents)
+                             documents=req.documents, mm_processor_kwargs=req.mm_processor_kwargs)
         thinks_first = None if self.reasoning is None else self.reasoning.thinks_first(
             prompt.token_ids, prompt.chat_template_kwargs)
         return _ChatJob(random_id("chatcmpl"), model, prompt, params, req, tools, thinks_first)

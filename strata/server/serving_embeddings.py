@@ -139,6 +139,7 @@ def build_pooling_app(engine: PoolingEngine, args: argparse.Namespace | None = N
 
     @app.get("/health")
     async def health() -> Response:
+        engine.check_health()  # a dead TP worker: EngineDeadError, 503
         return Response(status_code=200)
 
     @app.get("/version")
@@ -161,6 +162,9 @@ def run_pooling_server(args: argparse.Namespace, config: Any) -> int:
     routes = "/classify, /score, /rerank" if engine.runner.num_labels is not None else "/v1/embeddings"
     logger.info("strata %s is serving the pooling model %s at http://%s:%d (%s)", __version__,
                 ", ".join(config.served_model_names), args.host, args.port, routes)
-    uvicorn.run(build_pooling_app(engine, args), host=args.host, port=args.port, log_level=level,
-                access_log=access_log)
+    try:
+        uvicorn.run(build_pooling_app(engine, args), host=args.host, port=args.port, log_level=level,
+                    access_log=access_log)
+    finally:  # TP worker processes
+        engine.shutdown()
     return 0

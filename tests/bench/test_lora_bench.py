@@ -26,7 +26,7 @@ def test_bench_throughput_spreads_requests_over_adapters(llama_gqa, capsys):
                "2", "--max-lora-rank", "8", "--lora-rank", "8", "--num-loras", "2"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "LoRA: 2 adapter id(s)" in printed and "steps with adapter rows run the torch path" in printed
+    assert "LoRA: 2 adapter id(s)" in printed and "of them with adapter rows (shrink and expand in C)" in printed
 
 
 def test_bench_lora_needs_enable_lora(llama_gqa):

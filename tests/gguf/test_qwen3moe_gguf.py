@@ -108,3 +108,32 @@ def test_tp2_pp2_give_the_tokens_of_one_process(files):
     one = [o.outputs[0].token_ids for o in strata_greedy(path, PROMPTS, MAX_TOKENS)]
     split = strata_greedy(path, PROMPTS, MAX_TOKENS, tensor_parallel_size=2, pipeline_parallel_size=2)
     assert [o.outputs[0].token_ids for o in split] == one
+
+
+def test_int8_activations_run_the_experts_from_rows_rounded_once_near_the_float_logprobs(files):
+    """quantized_activations=int8 (Q8_0 file: every matrix has int8 kernels): the routed experts round each step's
+    rows once for all their experts (the fused gate/up of every layer), and the first token's logprobs stay within
+    rounding of the float path's."""
+    from strata import LLM, SamplingParams
+    from strata.kernels.cpu import matmul as cpu_matmul
+    from strata.layers.moe import FusedMoE
+
+    path, params = files["q8_0"], SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS]
+    exact = LLM(str(path), dtype="float32", device="cpu", max_model_len=64).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, quantized_activations="int8")
+    experts = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.quant.activations == "int8" for m in experts)
+    rounded, round_rows = [], cpu_matmul.round_rows
+    cpu_matmul.round_rows = lambda rows, per_block: rounded.append(rows.shape[0]) or round_rows(rows, per_block)
+    try:
+        int8 = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        cpu_matmul.round_rows = round_rows
+    assert rounded == [sum(len(p) for p in PROMPTS)] * len(experts)  # one prefill step: once a layer
+    # Every product of this random model rounds x (its attention too): first-token logprobs move by up to ~0.12.
+    differences = []
+    for a, b in zip(exact, int8, strict=True):
+        want, got = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        differences += [abs(want[t].logprob - got[t].logprob) for t in want.keys() & got.keys()]
+    assert len(differences) >= 3 * len(PROMPTS) and 0 < max(differences) < 0.25

@@ -43,6 +43,24 @@ def test_embed_matches_sentence_transformers_for_mixed_lengths(checkpoint, reque
         assert not torch.allclose(got.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-3)
 
 
+def test_embed_through_the_cpu_encoder_attention_kernel_matches_sentence_transformers(tmp_path):
+    """Heads of 32 dimensions, which the C kernel takes (the tiny checkpoints' 16 go to SDPA); a text over 128
+    tokens spans several key blocks, short ones share its batch."""
+    from strata.kernels.cpu import attention as cpu_attention
+
+    folder = write_bert_checkpoint(tmp_path / "wide", pooling="mean", normalize=False, heads=2, max_positions=256)
+    head = torch.zeros(1, 2, 32)
+    assert cpu_attention.prefill_library() is None or cpu_attention.prefill_serves(head, head, head)
+    texts = [*TEXTS, "Once upon a time there was a small model that served tokens very quickly. " * 9]
+    expected = _oracle(folder, texts)
+    with LLM(str(folder)) as llm:
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(texts)])
+    assert len(llm.get_tokenizer()(texts[-1]).input_ids) > 128
+    cos = torch.nn.functional.cosine_similarity(got, expected)
+    assert (1 - cos).abs().max() < 1e-5, cos
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_embed_token_ids_equal_embed_text(mean_normalized):
     with LLM(str(mean_normalized)) as llm:
         ids = llm.get_tokenizer()(TEXTS[0]).input_ids

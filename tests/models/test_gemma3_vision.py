@@ -42,11 +42,13 @@ def hf_conversation(*images, text: str = "Describe this.") -> list[dict]:
                                          {"type": "text", "text": text}]}]
 
 
-def transformers_run(hf, processor, messages, causal_only: bool = False) -> dict:
+def transformers_run(hf, processor, messages, causal_only: bool = False, images_kwargs: dict | None = None) -> dict:
     """Greedy tokens of `generate`, and the logprob of each from one forward pass over prompt + output (the
-    processor's token_type_ids mark the image tokens; `causal_only` drops them: no bidirectional image blocks)."""
+    processor's token_type_ids mark the image tokens; `causal_only` drops them: no bidirectional image blocks).
+    `images_kwargs`: the image processor's options for this call (pan-and-scan)."""
+    options = {"processor_kwargs": {"images_kwargs": images_kwargs}} if images_kwargs else {}
     inputs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True,
-                                           return_tensors="pt")
+                                           return_tensors="pt", **options)
     extra = {} if causal_only else {"token_type_ids": inputs["token_type_ids"]}
     pixels = {"pixel_values": inputs["pixel_values"]} if "pixel_values" in inputs else {}
     n = inputs["input_ids"].shape[1]
@@ -142,13 +144,14 @@ def test_max_num_batched_tokens_must_hold_one_image(checkpoint):
         EngineConfig.create(str(checkpoint), dtype="float32", device="cpu", max_num_batched_tokens=8)
 
 
-def test_pan_and_scan_is_refused(checkpoint, tmp_path):
+def test_bad_pan_and_scan_setting_is_refused(checkpoint, tmp_path):
+    """Pan-and-scan itself is served (test_gemma3_pan_and_scan.py); a setting it cannot use stops start-up."""
     import shutil
 
     folder = tmp_path / "pas"
     shutil.copytree(checkpoint, folder)
     processor = json.loads((folder / "processor_config.json").read_text())
-    processor["image_processor"]["do_pan_and_scan"] = True
+    processor["image_processor"].update(do_pan_and_scan=True, pan_and_scan_max_num_crops=0)
     (folder / "processor_config.json").write_text(json.dumps(processor))
-    with pytest.raises(ConfigError, match="pan-and-scan"):
+    with pytest.raises(ConfigError, match="pan_and_scan_max_num_crops must be a positive integer"):
         LLM(str(folder), dtype="float32", device="cpu")

@@ -1,6 +1,6 @@
 """strata's CPU backend: the C kernels (csrc/, one ISA header isa.h), their build (build.py), what they share with
 Python (abi.py, checked at load), their ctypes bindings by meaning (matmul, attention, norm_rope, activation,
-decode_layer, collectives), every crossover between kernels with its calibration (crossovers.py), and
+decode_layer, collectives, lora), every crossover between kernels with its calibration (crossovers.py), and
 `cpu_kernels_apply`, the one test layers make before choosing a C kernel over torch."""
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ class Kernels(ctypes.Structure):
 
     c_type = "kernels_t"
     _fields_ = [(name, PTR) for name in ("weight_only", "blocked", "rms_norm", "rope", "silu", "attention",
-                                         "norm_heads", "rows", "gelu", "gemm")]
+                                         "norm_heads", "rows", "gelu", "gemm", "lora")]
 
 
 class Linear(ctypes.Structure):
@@ -51,7 +51,7 @@ class Linear(ctypes.Structure):
 Linear._fields_ = [("blocked", I64), ("n", I64), ("k", I64), ("weight", PTR), ("bias", PTR), ("bf16", I64),
                    ("block", I64), ("k_pad", I64), ("row_bytes", I64), ("kind", I64), ("groups", I64),
                    ("group_size", I64), ("scales", PTR), ("zeros", PTR), ("n_pieces", I64),
-                   ("pieces", ctypes.POINTER(Linear)), ("gemm_rows", I64)]
+                   ("pieces", ctypes.POINTER(Linear)), ("gemm_rows", I64), ("lora", PTR)]
 
 
 class AttentionBlock(ctypes.Structure):
@@ -77,7 +77,7 @@ class KeyRanges(ctypes.Structure):
 class Step(ctypes.Structure):
     c_type = "decode_step_t"
     _fields_ = [("tokens", I64), ("cos", PTR), ("sin", PTR), ("ranges", ctypes.POINTER(KeyRanges)),
-                ("slots", PTR), ("threads", I64)]
+                ("slots", PTR), ("threads", I64), ("lora_slots", PTR)]
 
 
 class Model(ctypes.Structure):
@@ -86,6 +86,15 @@ class Model(ctypes.Structure):
                 ("rope_rows", I64), ("rope_half", I64), ("ropes", I64), ("final_norm", PTR), ("final_eps", F32),
                 ("head", Linear), ("table_kind", I64), ("table_row_bytes", I64), ("embed_scale", F32),
                 ("logits_divisor", F32), ("final_softcap", F32)]
+
+
+class Lora(ctypes.Structure):
+    """A linear layer's LoRA slots as lora.c reads them (strata/layers/lora.py's tensors)."""
+
+    c_type = "lora_t"
+    _fields_ = [("a", PTR), ("bt", PTR), ("in_features", I64), ("out_features", I64), ("width", I64),
+                ("blocks", I64), ("slots", I64), ("block_rows", PTR), ("ranks", PTR), ("widths", PTR),
+                ("scales", PTR)]
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,7 @@ SHARED: dict[str, Shared] = {
     "weight_gemm": Shared({**_WEIGHT_KINDS, "GEMM_FMA": GEMM_FMA, "GEMM_AMX": GEMM_AMX}),
     "shm_collectives": Shared({"HEADER_BYTES": SHM_HEADER_BYTES}),
     "decode_layer": Shared(structures=(Kernels, Linear, AttentionBlock, MlpBlock, KeyRanges, Step, Model)),
+    "lora": Shared(structures=(Lora,)),
 }  # the other libraries report empty tables
 
 

@@ -1,6 +1,6 @@
 """Bindings of the attention kernels (csrc/cpu_attention.c, prefill_attention.c): decode attention straight from the
-paged KV cache on CPU (float32, or bfloat16 with float32 accumulation), and causal prefill attention (float32, flash
-style); with the checks of which tensors they take.
+paged KV cache on CPU (float32, or bfloat16 with float32 accumulation), causal prefill attention (float32, flash
+style) and its bidirectional form over packed sequences (encoders); with the checks of which tensors they take.
 
 Gathering every sequence's blocks into a padded batch for SDPA copies the whole context once per layer and
 step, which on CPU costs more than the attention itself; the kernel reads the blocks in place instead.
@@ -31,6 +31,7 @@ def decode_library() -> ctypes.CDLL | None:
 def prefill_library() -> ctypes.CDLL | None:
     return build.bind("prefill_attention", {
         "causal_prefill_attention": ([PTR, I64, PTR, PTR, I64] + [I64] * 5 + [F32, PTR, I32], I32),
+        "varlen_bidirectional_attention": ([PTR, I64, PTR, PTR, I64, PTR] + [I64] * 4 + [F32, PTR, I32], I32),
         "prefill_attention_head_multiple": ([], I32)})
 
 
@@ -62,6 +63,26 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise MemoryError("CPU prefill attention could not allocate its scratch memory")
     if status != 0:
         raise ValueError(f"CPU prefill attention does not take {heads} heads of {head_dim} over {k.shape[1]}")
+    return out
+
+
+def varlen_bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_starts: torch.Tensor,
+                                   scale: float) -> torch.Tensor:
+    """Encoder attention of packed sequences without padding: q [T, Hq, D], k / v [T, Hkv, D] (see
+    `prefill_serves`), `seq_starts` [B + 1] int64 on the CPU (sequence i is tokens seq_starts[i] ..
+    seq_starts[i + 1] - 1); each query sees every key of its own sequence. Returns [T, Hq, D]."""
+    tokens, heads, head_dim = q.shape
+    starts = seq_starts.contiguous()
+    if starts.dtype != torch.int64 or starts[0] != 0 or starts[-1] != tokens:
+        raise ValueError(f"seq_starts must be int64 from 0 to {tokens} tokens, got {seq_starts.tolist()}")
+    out = torch.empty(tokens, heads, head_dim, dtype=q.dtype)
+    status = prefill_library().varlen_bidirectional_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), starts.data_ptr(), starts.numel() - 1,
+        heads, k.shape[1], head_dim, scale, out.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("CPU encoder attention could not allocate its scratch memory")
+    if status != 0:
+        raise ValueError(f"CPU encoder attention does not take {heads} heads of {head_dim} over {k.shape[1]}")
     return out
 
 

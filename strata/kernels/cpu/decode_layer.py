@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from strata.kernels.cpu import activation, attention, build, matmul, norm_rope
+from strata.kernels.cpu import activation, attention, build, lora, matmul, norm_rope
 from strata.kernels.cpu.abi import F32, PTR, Kernels, Step
 
 
@@ -31,7 +31,8 @@ def kernels() -> Kernels | None:
                "attention": (attention.decode_library, "scored_decode_attention"),
                "norm_heads": (norm_rope.rms_norm_library, "rms_norm_heads"),
                "rows": (matmul.weight_only_library, "weight_rows"),
-               "gelu": (activation.library, "gelu_tanh_and_mul"), "gemm": (matmul.gemm_library, "weight_gemm")}
+               "gelu": (activation.library, "gelu_tanh_and_mul"), "gemm": (matmul.gemm_library, "weight_gemm"),
+               "lora": (lora.library, "lora_apply")}
     addresses = {}
     for field, (load, name) in sources.items():
         lib = load()

@@ -23,6 +23,10 @@ def weight_only_library() -> ctypes.CDLL | None:
                                       "weight_only_build": ([], ctypes.c_char_p),
                                       "int8_activations_build": ([], ctypes.c_char_p),
                                       "set_fixed_point_rows": ([I32, I64], I32),
+                                      "q8_rounded_row_bytes": ([I64, I32], I64),
+                                      "q8_round_rows": ([PTR, I64, I64, I32, PTR, I32], I32),
+                                      "q8_rounded_matmul": ([PTR, I64, PTR, I64, PTR, I64, I32, PTR, PTR, PTR, I64,
+                                                             I32], I32),
                                       "fixed_point_rows": ([I32], I64)})
 
 
@@ -115,6 +119,37 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, kind: int, out_features: int, 
     quantized kinds."""
     return _product(weight_only_library().weight_only_matmul, x, weight, kind, out_features, scales, zeros,
                     group_size, bias)
+
+
+def round_rows(x: torch.Tensor, per_block: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous rounded to 8 bits as llama.cpp rounds it, in blocks of `per_block` (32: Q8_0 /
+    Q8_1, 256: Q8_K): uint8 [M, row bytes] of the C layout (gguf_q8.h), for `rounded_matmul` to read, once per input
+    however many weights multiply it (the routed experts a token goes to)."""
+    lib = weight_only_library()
+    stride = lib.q8_rounded_row_bytes(x.shape[1], per_block)
+    if stride < 0:
+        raise ValueError(f"rows of {x.shape[1]} values are not whole blocks of {per_block}")
+    out = torch.empty(x.shape[0], stride, dtype=torch.uint8)
+    _check_status(lib.q8_round_rows(x.data_ptr(), x.shape[0], x.shape[1], per_block, out.data_ptr(),
+                                    torch.get_num_threads()), -1, x.shape[1])
+    return out
+
+
+def rounded_matmul(rounded: torch.Tensor, k: int, ids: torch.Tensor | None, weight: torch.Tensor, kind: int,
+                   out_features: int, exps: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `ids` (int64; every row when None) of x rounded by `round_rows` times a weight stored as `kind`
+    (abi.KIND_GGUF_Q8 + ggml's type, or abi.KIND_MXFP4 with its uint8 exponents `exps` [N, K / 32]):
+    [rows, out_features] float32."""
+    count = rounded.shape[0] if ids is None else ids.numel()
+    out = torch.empty(count, out_features, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    status = weight_only_library().q8_rounded_matmul(
+        rounded.data_ptr(), k, _ptr(ids), count, weight.data_ptr(), weight.stride(0) * weight.element_size(), kind,
+        _ptr(exps), _ptr(bias), out.data_ptr(), out_features, torch.get_num_threads())
+    _check_status(status, kind, k)
+    return out
 
 
 def narrow_gemm(x: torch.Tensor, weight: torch.Tensor, kind: int, out_features: int,

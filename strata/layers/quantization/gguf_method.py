@@ -11,9 +11,7 @@ import torch
 from torch import nn
 
 from strata.config.quant_config import GGUFQuantConfig
-from strata.errors import ConfigError
 from strata.gguf import types
-from strata.gguf.types import MXFP4
 from strata.gguf.weights import GGUFTensor
 from strata.host_memory import huge_page_zeros
 from strata.kernels.cpu import cpu_kernels_apply, crossovers
@@ -166,8 +164,5 @@ def quantize_gguf(model: nn.Module, quant: GGUFQuantConfig, checkpoint_modules) 
     logger.info("GGUF checkpoint: %d layers kept in ggml blocks, %d in float32", counts["in blocks"],
                 counts["float"])
     if quant.activations == "int8":
-        if MXFP4 in quant.tensor_types.values():
-            raise ConfigError("quantized_activations='int8' has no kernels for MXFP4 experts yet; use "
-                              "quantized_activations='float'", param="quantized_activations")
-        logger.info("int8 activations (%s kernels) for every GGUF product, decode (also in the fused CPU decode "
-                    "path) and prefill", cpu_matmul.int8_activations_set())
+        logger.info("int8 activations (%s kernels) for every GGUF product (routed experts and MXFP4 experts too), "
+                    "decode (also in the fused CPU decode path) and prefill", cpu_matmul.int8_activations_set())

@@ -180,7 +180,7 @@ def quantize_gguf_mxfp4_experts(model: nn.Module, quant: GGUFQuantConfig, checkp
     for name, moe in model.named_modules():
         stored = quant.tensor_types.get(f"{checkpoint_prefix}{name}.gate_up_proj_blocks")
         if isinstance(moe, FusedMoE) and stored == gguf_types.MXFP4:
-            mxfp4_experts(moe, name)
+            mxfp4_experts(moe, name, quant.activations)
 
 
 def finish_quantized(model: nn.Module) -> None:

@@ -18,6 +18,7 @@ from strata.kernels.cpu import abi, cpu_kernels_apply
 from strata.kernels.cpu import matmul as cpu_matmul
 from strata.kernels.cpu.crossovers import SMALL_BATCH_MXFP4
 from strata.layers.moe import FusedMoE
+from strata.layers.quantization.rounded_rows import RoundedRows
 
 VALUES_PER_BLOCK, BYTES_PER_BLOCK = 32, 16
 # e2m1: sign bit 3, then two exponent bits and one mantissa bit.
@@ -62,12 +63,14 @@ def _kernel_ready(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
             and (n <= 1 or blocks.stride(0) >= groups * BYTES_PER_BLOCK))
 
 
-def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 activations: str = "float") -> torch.Tensor:
     """x [..., K] (float32 or bfloat16) times one MXFP4 weight (blocks [N, K / 32, 16], scales [N, K / 32]) transposed,
     + bias [N]: [..., N] in x's dtype. On CPU up to SMALL_BATCH_MXFP4 rows of x run the C kernel (rows read once, values
     decoded in registers), more rows the GEMM over float32 panels of the weight; elsewhere, or without a C compiler,
-    the weight is dequantized (to x's dtype) for the call and F.linear runs."""
+    the weight is dequantized (to x's dtype) for the call and F.linear runs. activations="int8": x rounded to Q8_0
+    blocks and multiplied in integers as llama.cpp's ggml_vec_dot_mxfp4_q8_0 does (csrc/mxfp4_q8.h), any rows;
+    refused with ConfigError off strata's CPU kernels."""
     check_mxfp4(blocks, scales)
     if blocks.dim() != 3:
         raise ConfigError(f"mxfp4_linear takes one weight (blocks [N, G, 16]), got {tuple(blocks.shape)}: index the "
@@ -76,6 +79,8 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     k = groups * VALUES_PER_BLOCK
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the MXFP4 weight expects {k}")
+    if activations == "int8":
+        return rounded_mxfp4(RoundedRows(x), None, blocks, scales, bias)
     if not cpu_kernels_apply(x) or not cpu_matmul.available():
         weight = dequantize(blocks, scales, x.dtype)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
@@ -94,13 +99,28 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     return cpu_matmul.like_rows(y, x)
 
 
+def rounded_mxfp4(x: RoundedRows, tokens: torch.Tensor | None, blocks: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `tokens` (all when None) of x rounded to Q8_0 times one MXFP4 weight (blocks [N, G, 16], scales [N, G])
+    transposed, + bias: [rows, N] in x's dtype."""
+    n, groups = scales.shape
+    if x.k != groups * VALUES_PER_BLOCK:
+        raise ValueError(f"input has {x.k} features, the MXFP4 weight expects {groups * VALUES_PER_BLOCK}")
+    if not _kernel_ready(blocks, scales):
+        blocks, scales = blocks.contiguous(), scales.contiguous()
+    flat = blocks.as_strided((n, groups * BYTES_PER_BLOCK), (blocks.stride(0), 1))
+    return x.product(tokens, flat, abi.KIND_MXFP4, VALUES_PER_BLOCK, n, exps=scales, bias=bias)
+
+
 class MXFP4ExpertsMethod:
     """A `FusedMoE`'s experts run from the checkpoint's own MXFP4 tensors, this rank's share: gate_up blocks
     [E, 2I/tp, H/32, 16] and scales [E, 2I/tp, H/32] (gate rows, then up rows: the model de-interleaves the
     checkpoint's alternating rows before they arrive), down blocks [E, H, I/tp/32, 16] and scales [E, H, I/tp/32]
-    (the inputs split across ranks at whole blocks). Nothing is repacked: the kernel reads them as stored."""
+    (the inputs split across ranks at whole blocks). Nothing is repacked: the kernel reads them as stored.
+    `activations` "int8": x rounded to Q8_0 as llama.cpp does, each token's row once a step for all its experts."""
 
-    def __init__(self) -> None:
+    def __init__(self, activations: str = "float") -> None:
+        self.activations = activations
         self.experts: list[tuple[torch.Tensor, ...]] = []  # per expert: gate_up blocks, scales, down blocks, scales
         self.biases: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         self.activation = None
@@ -140,14 +160,26 @@ class MXFP4ExpertsMethod:
         """One expert's gated MLP on its tokens h [n, H] -> [n, H] (this rank's partial sum, biases included)."""
         gate_up_blocks, gate_up_scales, down_blocks, down_scales = self.experts[expert]
         gate_up_bias, down_bias = self.biases[expert]
-        act = self.activation(mxfp4_linear(h, gate_up_blocks, gate_up_scales, gate_up_bias))
-        return mxfp4_linear(act, down_blocks, down_scales, down_bias)
+        act = self.activation(mxfp4_linear(h, gate_up_blocks, gate_up_scales, gate_up_bias, self.activations))
+        return mxfp4_linear(act, down_blocks, down_scales, down_bias, self.activations)
+
+    def round_inputs(self, x: torch.Tensor) -> RoundedRows | None:
+        """A step's rows x [T, H] for `apply_rounded` (rounded on first use), or None with float activations."""
+        return RoundedRows(x) if self.activations == "int8" else None
+
+    def apply_rounded(self, expert: int, x: RoundedRows, tokens: torch.Tensor) -> torch.Tensor:
+        """`apply` on rows `tokens` of x, rounded once for all experts; down rounds its own input."""
+        gate_up_blocks, gate_up_scales, down_blocks, down_scales = self.experts[expert]
+        gate_up_bias, down_bias = self.biases[expert]
+        act = self.activation(rounded_mxfp4(x, tokens, gate_up_blocks, gate_up_scales, gate_up_bias))
+        return mxfp4_linear(act, down_blocks, down_scales, down_bias, "int8")
 
     nbytes = 0  # the stored parameters are the weights that run: FusedMoE counts those
 
 
-def mxfp4_experts(moe: FusedMoE, name: str) -> None:
-    """Replace a `FusedMoE`'s dense expert tensors by the MXFP4 blocks and scales the checkpoint stores."""
+def mxfp4_experts(moe: FusedMoE, name: str, activations: str = "float") -> None:
+    """Replace a `FusedMoE`'s dense expert tensors by the MXFP4 blocks and scales the checkpoint stores
+    (`activations` "int8": products with x rounded to Q8_0, as llama.cpp runs a GGUF file's MXFP4)."""
     if moe.quantized:
         raise ConfigError(f"{name}: quantization='experts_int8' cannot requantize experts the checkpoint stores as "
                           "MXFP4", param="quantization")
@@ -155,7 +187,7 @@ def mxfp4_experts(moe: FusedMoE, name: str) -> None:
     if h % VALUES_PER_BLOCK or i % VALUES_PER_BLOCK:
         raise ConfigError(f"{name}: MXFP4 experts need the hidden size ({h}) and each rank's expert width ({i}) in "
                           f"whole blocks of {VALUES_PER_BLOCK}", param="tensor_parallel_size")
-    method, device = MXFP4ExpertsMethod(), moe.gate_up_proj.device
+    method, device = MXFP4ExpertsMethod(activations), moe.gate_up_proj.device
     del moe.gate_up_proj, moe.down_proj
     shapes = {"gate_up_proj": (2 * i, h // VALUES_PER_BLOCK), "down_proj": (h, i // VALUES_PER_BLOCK)}
     for proj, (rows, groups) in shapes.items():

@@ -1,6 +1,7 @@
 """The weight-only and GEMM libraries built with forced instruction sets, so that a machine of any kind checks every
-build it can run (the plain-C fallback, AVX2/FMA with AVX-512 off, AVX-512 without VNNI, with it, and with AMX
-tiles), beside the native build the other tests use; and the GEMM's engine (FMA or AMX) forced for a block."""
+build it can run (the plain-C fallback, AVX2/FMA with AVX-512 off, the same with AVX-VNNI, AVX-512 without VNNI,
+with it, and with AMX tiles), beside the native build the other tests use; and the GEMM's engine (FMA or AMX) forced
+for a block."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +21,7 @@ _AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw"]
 # name -> (compiler flags, the CPU flags the build needs to run)
 BUILDS = {"portable": (["-DSTRATA_PORTABLE"], set()),
           "avx2": (["-mavx2", "-mfma", "-DSTRATA_NO_AVX512"], {"avx2", "fma"}),
+          "avx2_vnni": (["-mavx2", "-mfma", "-mavxvnni", "-DSTRATA_NO_AVX512"], {"avx2", "fma", "avx_vnni"}),
           "avx512": (_AVX512, {"avx2", "fma", "avx512f", "avx512bw"}),
           "avx512_vnni": ([*_AVX512, "-mavx512vnni"], {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}),
           "amx": ([*_AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],

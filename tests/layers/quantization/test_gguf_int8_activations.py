@@ -1,6 +1,6 @@
 """GGUF products with x rounded to 8 bits as llama.cpp rounds it (quantized_activations=int8, csrc/gguf_q8*.h): each
 kernel against a float64 reference of the same rounded x (numpy, written from ggml-quants.c's quantize_row_q8_0_ref /
-q8_1_ref / q8_K_ref), the weights dequantized by gguf-py, on the native, AVX2 (x86-64-v3: the portable int8 path),
+q8_1_ref / q8_K_ref), the weights dequantized by gguf-py, on the native, AVX2 (vpmaddubsw), AVX2 with AVX-VNNI,
 AVX-512 VNNI and portable builds; ties rounded as llama.cpp rounds them; refusals."""
 from __future__ import annotations
 
@@ -77,11 +77,15 @@ def _check(qtype: int, m: int, k: int, seed: int, what: str, bias: bool = False)
     data = gp.random_blocks(qtype, 21, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) + (2.0 if m % 2 else 0.0)
     b = torch.randn(21, generator=torch.Generator().manual_seed(seed + 1)) if bias else None
+    _compare(x, data, qtype, what, b)
+
+
+def _compare(x: torch.Tensor, data: np.ndarray, qtype: int, what: str, b: torch.Tensor | None = None) -> None:
     y = _product(x, data, qtype, b)
     expected, size = reference(x.numpy(), data, qtype)
     if b is not None:
         expected = expected + b.double().numpy()
-    assert y.shape == (m, 21) and y.dtype == torch.float32
+    assert y.shape == (x.shape[0], data.shape[0]) and y.dtype == torch.float32
     error = np.abs(y.double().numpy() - expected)
     bound = 4e-6 * (size + np.abs(expected)) + 1e-30
     assert (error <= bound).all(), f"{what}: worst error {error.max()} against bound {bound.flat[error.argmax()]}"
@@ -97,14 +101,38 @@ def test_int8_product_equals_float64_of_llama_cpp_rounded_x_for_1_to_13_and_70_r
             _check(qtype, m, k, seed=m + k, what=f"{NAMES[qtype]} k={k}, {m} rows", bias=m == 3)
 
 
-@pytest.mark.parametrize("build", ["portable", "avx2", "avx512_vnni"])
+@pytest.mark.parametrize("build", ["portable", "avx2", "avx2_vnni", "avx512_vnni"])
 def test_each_c_build_equals_the_rounded_reference(build, tmp_path, monkeypatch):
-    """The AVX2 build (x86-64-v3 level) runs the portable int8 path; AVX-512 VNNI the vpdpbusd kernels."""
+    """AVX2 runs the vpmaddubsw kernels (gguf_q8_avx2.h), AVX2 with AVX-VNNI their 256-bit vpdpbusd form, AVX-512
+    VNNI the 512-bit kernels; odd block counts (a legacy row's last block alone, a K-quant row's odd block), several
+    rows of x, and a prefill-sized batch past one pass of 64 rows."""
     with forced_build(build, tmp_path, monkeypatch):
         for qtype in INT8_TYPES:
-            k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160
-            for m in (1, 5, 12):
-                _check(qtype, m, k, seed=qtype + m, what=f"{build}, {NAMES[qtype]}, {m} rows")
+            ks = (512, 768) if gguf_quants.TYPES[qtype].values_per_block == 256 else (160, 96)
+            for k in ks:
+                for m in (1, 5, 12, 70) if k == ks[0] else (2,):
+                    _check(qtype, m, k, seed=qtype + m + k, what=f"{build}, {NAMES[qtype]}, k={k}, {m} rows")
+            _check_extremes(qtype, ks[0], build)
+
+
+def _extreme_blocks(qtype: int, k: int, fill: int) -> np.ndarray:
+    """Rows whose every byte but the fp16 fields is `fill`: 0xff puts the 4/5/6-bit values at their largest (15 / 31 /
+    63) and Q8_0's at -1, 0x80 Q8_0's at -128."""
+    data = gp.random_blocks(qtype, 3, k)
+    blocks = data.reshape(3, k // gguf_quants.TYPES[qtype].values_per_block, -1)
+    kept = blocks.copy()
+    blocks[...] = fill
+    for offset in gp._HALVES[qtype]:
+        blocks[..., offset:offset + 2] = kept[..., offset:offset + 2]
+    return data
+
+
+def _check_extremes(qtype: int, k: int, build: str) -> None:
+    """The largest weights times x's q at +-127 (x constant per block, or alternating in sign): pairs of products up
+    to 2 * 128 * 127, where vpmaddubsw's int16 sums would saturate but for the operands' ranges."""
+    rows = torch.tensor([[1.0] * k, [-1.0] * k, [(-1.0) ** i for i in range(k)]])
+    for fill in (0xFF, 0x80):
+        _compare(rows, _extreme_blocks(qtype, k, fill), qtype, f"{build}, {NAMES[qtype]}, bytes {fill:#x}")
 
 
 def _one_hot_q8_0(columns: list[int], k: int) -> np.ndarray:

@@ -26,6 +26,7 @@ typedef void (*silu_fn)(const void *, void *, int64_t, int64_t, int);
 typedef int (*attention_fn)(const void *, void *, void *, const int32_t *, const int32_t *, const int32_t *, int64_t,
                             int64_t, int64_t, int64_t, int64_t, int64_t, float, void *, int, int, const void *,
                             const void *, int64_t, const int64_t *, float, const float *);
+typedef int (*lora_fn)(const void *, const int64_t *, int64_t, const float *, float *, int);
 
 typedef struct {
     weight_only_fn weight_only;
@@ -38,12 +39,14 @@ typedef struct {
     rows_fn rows; /* rows of a table in ggml blocks (a GGUF embedding) */
     silu_fn gelu; /* gelu_tanh(gate) * up, the silu's signature */
     weight_only_fn gemm; /* weight_gemm: the large-batch product of the same weights */
+    lora_fn lora;        /* lora_apply: each row's adapter delta added to a product */
 } kernels_t;
 
 /* One linear layer as a kernel reads it: oneDNN's blocked layout (blocked_matmul) or rows of float32, bfloat16,
    FP8, int8, int4 values or ggml blocks (weight_only_matmul; from `gemm_rows` rows of x on, weight_gemm, as
    kernel_choice.py measured them; 0: never); or `n_pieces` such layers whose outputs lie side by side (a fused
-   q/k/v whose parts a GGUF file stores in different types). */
+   q/k/v whose parts a GGUF file stores in different types); `lora`: its LoRA slots (lora.c's lora_t; NULL: none),
+   whose deltas the step's rows of an adapter add to the product. */
 typedef struct linear_s {
     int64_t blocked, n, k;
     const void *weight;
@@ -54,6 +57,7 @@ typedef struct linear_s {
     int64_t n_pieces;
     const struct linear_s *pieces;
     int64_t gemm_rows;
+    const void *lora;
 } linear_t;
 
 /* q/k norms over each head (NULL: none), the rotated leading dimensions of a head (partial rotary), the scale of
@@ -105,6 +109,7 @@ typedef struct {
     const key_ranges_t *ranges;
     const int64_t *slots;
     int64_t threads;
+    const int64_t *lora_slots; /* [tokens]: each row's LoRA slot (-1: none); NULL when no row uses an adapter */
 } decode_step_t;
 
 static int run_linear(const kernels_t *kn, const linear_t *l, const float *x, int64_t rows, float *out,
@@ -144,6 +149,16 @@ static int run_linear(const kernels_t *kn, const linear_t *l, const float *x, in
                    l->group_size, l->bias, out, l->n, threads);
 }
 
+/* A projection of a layer: its product, then each adapter row's delta (before any all-reduce or gather, as
+   strata/layers/linear.py adds it: a row-parallel layer's partial deltas are summed with its partial products). */
+static int run_projection(const kernels_t *kn, const linear_t *l, const decode_step_t *step, const float *x,
+                          float *out) {
+    const int threads = (int)step->threads;
+    const int status = run_linear(kn, l, x, step->tokens, out, threads);
+    if (status || !l->lora || !step->lora_slots) return status;
+    return kn->lora(l->lora, step->lora_slots, step->tokens, x, out, threads);
+}
+
 /* The norm before a block: the first layer's residual stream starts as its input (copied), later layers add the
    block's input to the stream in place. */
 static void pre_norm(const kernels_t *kn, const float *x, float *residual, int first, const float *weight,
@@ -179,7 +194,7 @@ int attention_block(const kernels_t *kn, const attention_block_t *b, const decod
     const key_ranges_t *keys = step->ranges + b->ranges;
     float *normed = scratch, *qkv = normed + t * b->hidden, *q = qkv + t * row, *attn = q + t * q_width;
     pre_norm(kn, x, residual, first, b->norm_weight, b->eps, t, b->hidden, normed);
-    int status = run_linear(kn, &b->qkv, normed, t, qkv, threads);
+    int status = run_projection(kn, &b->qkv, step, normed, qkv);
     if (status) return status;
     if (b->q_norm) {
         kn->norm_heads(qkv, t, b->num_heads, b->head_dim, row, b->q_norm, b->qk_eps, 0);
@@ -195,7 +210,7 @@ int attention_block(const kernels_t *kn, const attention_block_t *b, const decod
                            attn, threads, b->kv_bf16 ? 2 : 0, qkv + q_width, qkv + q_width + kv_width, row,
                            step->slots, b->softcap, b->sinks);
     if (status) return status;
-    status = run_linear(kn, &b->o, attn, t, out, threads);
+    status = run_projection(kn, &b->o, step, attn, out);
     if (status) return status;
     finish_block(kn, out, t, b->hidden, b->out_scale, b->out_norm, b->out_eps);
     return 0;
@@ -206,13 +221,12 @@ int attention_block(const kernels_t *kn, const attention_block_t *b, const decod
 int mlp_block(const kernels_t *kn, const mlp_block_t *b, const decode_step_t *step, const float *x, float *residual,
               float *scratch, float *out) {
     const int64_t t = step->tokens;
-    const int threads = (int)step->threads;
     float *normed = scratch, *gate_up = normed + t * b->hidden, *act = gate_up + t * 2 * b->intermediate;
     pre_norm(kn, x, residual, 0, b->norm_weight, b->eps, t, b->hidden, normed);
-    int status = run_linear(kn, &b->gate_up, normed, t, gate_up, threads);
+    int status = run_projection(kn, &b->gate_up, step, normed, gate_up);
     if (status) return status;
     (b->gelu ? kn->gelu : kn->silu)(gate_up, act, t, b->intermediate, 0);
-    status = run_linear(kn, &b->down, act, t, out, threads);
+    status = run_projection(kn, &b->down, step, act, out);
     if (status) return status;
     finish_block(kn, out, t, b->hidden, b->out_scale, b->out_norm, b->out_eps);
     return 0;
@@ -323,12 +337,12 @@ int decode_forward(const kernels_t *kn, const attention_block_t *attention, cons
 STRATA_ABI_EXPORT(decode_layer,
     STRATA_ABI_TYPE(kernels_t) FIELD(kernels_t, weight_only) FIELD(kernels_t, blocked) FIELD(kernels_t, rms_norm)
     FIELD(kernels_t, rope) FIELD(kernels_t, silu) FIELD(kernels_t, attention) FIELD(kernels_t, norm_heads)
-    FIELD(kernels_t, rows) FIELD(kernels_t, gelu) FIELD(kernels_t, gemm)
+    FIELD(kernels_t, rows) FIELD(kernels_t, gelu) FIELD(kernels_t, gemm) FIELD(kernels_t, lora)
     STRATA_ABI_TYPE(linear_t) FIELD(linear_t, blocked) FIELD(linear_t, n) FIELD(linear_t, k) FIELD(linear_t, weight)
     FIELD(linear_t, bias) FIELD(linear_t, bf16) FIELD(linear_t, block) FIELD(linear_t, k_pad)
     FIELD(linear_t, row_bytes) FIELD(linear_t, kind) FIELD(linear_t, groups) FIELD(linear_t, group_size)
     FIELD(linear_t, scales) FIELD(linear_t, zeros) FIELD(linear_t, n_pieces) FIELD(linear_t, pieces)
-    FIELD(linear_t, gemm_rows)
+    FIELD(linear_t, gemm_rows) FIELD(linear_t, lora)
     STRATA_ABI_TYPE(attention_block_t) FIELD(attention_block_t, norm_weight) FIELD(attention_block_t, eps)
     FIELD(attention_block_t, hidden) FIELD(attention_block_t, num_heads) FIELD(attention_block_t, num_kv_heads)
     FIELD(attention_block_t, head_dim) FIELD(attention_block_t, block_size) FIELD(attention_block_t, scale)
@@ -345,6 +359,7 @@ STRATA_ABI_EXPORT(decode_layer,
     FIELD(key_ranges_t, first_keys) FIELD(key_ranges_t, seq_lens)
     STRATA_ABI_TYPE(decode_step_t) FIELD(decode_step_t, tokens) FIELD(decode_step_t, cos) FIELD(decode_step_t, sin)
     FIELD(decode_step_t, ranges) FIELD(decode_step_t, slots) FIELD(decode_step_t, threads)
+    FIELD(decode_step_t, lora_slots)
     STRATA_ABI_TYPE(decode_model_t) FIELD(decode_model_t, table) FIELD(decode_model_t, vocab)
     FIELD(decode_model_t, bf16) FIELD(decode_model_t, rope_cos) FIELD(decode_model_t, rope_sin)
     FIELD(decode_model_t, rope_rows) FIELD(decode_model_t, rope_half) FIELD(decode_model_t, ropes)

@@ -2,9 +2,9 @@
    of x once per product to Q8_0 blocks (32 values, an fp16 d = max|x| / 127, q = roundf(x / d); with Q8_1's
    s = fp16(d * sum q) for Q4_1 / Q5_1) for the legacy kinds, to Q8_K blocks (256 values, float d, q = nearest_int)
    for the K-quants, as ggml-quants.c's quantize_row_q8_{0,1,K}_ref do; then exact integer dot products per block,
-   scaled in float once a block (AVX-512 VNNI vpdpbusd: the weights' unsigned q times x's signed q; portable C
-   elsewhere, the AVX2 build included). Included by weight_only.c after gguf_matmul.h; kinds KIND_GGUF_Q8 + ggml's
-   type. */
+   scaled in float once a block (AVX-512 VNNI vpdpbusd: the weights' unsigned q times x's signed q; AVX2's
+   vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd, in gguf_q8_avx2.h; portable C elsewhere). Included by weight_only.c
+   after gguf_matmul.h; kinds KIND_GGUF_Q8 + ggml's type. */
 #ifndef STRATA_GGUF_Q8_H
 #define STRATA_GGUF_Q8_H
 #include <math.h>
@@ -157,37 +157,83 @@ static inline float q8_row_portable(int kind, const uint8_t *row, int64_t blocks
 
 #if STRATA_AVX512VNNI
 #include "gguf_q8_vnni.h"
+#elif STRATA_AVX2
+#include "gguf_q8_avx2.h"
 #endif
 
-/* One weight row against one rounded row of x: the VNNI kernels where the build has them, else portable C. */
-static inline float q8_row(int kind, const uint8_t *row, int64_t blocks, const q8_x_t *x) {
-#if STRATA_AVX512VNNI
-    return q8_row_vnni(kind, row, blocks, x);
+#if STRATA_AVX2 && !STRATA_AVX512VNNI
+#define Q8_TILE Q8A_ROWS /* rows of x that AVX2's kernels take at once */
 #else
-    return q8_row_portable(kind, row, blocks, x);
+#define Q8_TILE 1
 #endif
+
+/* One weight row against `count` rounded rows of x (1 or Q8_TILE): y[r]. The AVX-512 VNNI kernels, else AVX2's,
+   else portable C. */
+static inline void q8_rows(int kind, const uint8_t *row, int64_t blocks, const q8_x_t *x, int count, float *y) {
+#if STRATA_AVX512VNNI
+    (void)count;
+    y[0] = q8_row_vnni(kind, row, blocks, x);
+#elif STRATA_AVX2
+    q8_rows_avx2(kind, row, blocks, x, count, y);
+#else
+    (void)count;
+    y[0] = q8_row_portable(kind, row, blocks, x);
+#endif
+}
+
+/* Bytes of one rounded row of x (q8_x_t's arrays, 64-byte aligned): what q8_at lays out. */
+static inline size_t q8_row_stride(int64_t k, int per_block) {
+    const size_t per_row = (size_t)k + sizeof(float) * (size_t)(2 * (k / per_block)) +
+                           sizeof(int32_t) * (size_t)(k / 4 + k / 16);
+    return (per_row + 63) / 64 * 64;
+}
+
+/* The arrays of one rounded row at `at` (q8_row_stride bytes). */
+static inline q8_x_t q8_at(uint8_t *at, int64_t k, int per_block) {
+    q8_x_t x;
+    x.lanes = (int32_t *)at;
+    x.sum16 = x.lanes + k / 4;
+    x.d = (float *)(x.sum16 + k / 16);
+    x.s = x.d + k / per_block;
+    x.q = (int8_t *)(x.s + k / per_block);
+    return x;
 }
 
 /* Rounds every row of x once (threads over rows when there are many); -1 when memory ran out. The caller frees
    *buffer. */
 static int q8_prepare(const float *x, int64_t m_total, int64_t k, int per_block, q8_x_t *xs, void **buffer) {
-    const int64_t blocks = k / per_block;
-    const size_t per_row = (size_t)k + sizeof(float) * (size_t)(2 * blocks) + sizeof(int32_t) * (size_t)(k / 4 + k / 16);
-    const size_t stride = (per_row + 63) / 64 * 64;
+    const size_t stride = q8_row_stride(k, per_block);
     uint8_t *base = aligned_alloc(64, stride * (size_t)m_total);
     if (!base) return -1;
     *buffer = base;
-    for (int64_t m = 0; m < m_total; m++) {
-        uint8_t *at = base + stride * (size_t)m;
-        xs[m].lanes = (int32_t *)at;
-        xs[m].sum16 = xs[m].lanes + k / 4;
-        xs[m].d = (float *)(xs[m].sum16 + k / 16);
-        xs[m].s = xs[m].d + blocks;
-        xs[m].q = (int8_t *)(xs[m].s + blocks);
-    }
+    for (int64_t m = 0; m < m_total; m++) xs[m] = q8_at(base + stride * (size_t)m, k, per_block);
 #pragma omp parallel for schedule(static) if (m_total >= 8)
     for (int64_t m = 0; m < m_total; m++) q8_round_row(x + m * k, k, per_block, xs + m);
     return 0;
+}
+
+/* out[m_total, n] = rounded rows xs times a GGUF weight's transpose (+ bias): the weight's rows shared among the
+   threads, each read once for up to Q8_ROWS_PER_PASS rows of x. */
+static void q8_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, const float *bias, float *out,
+                        int num_threads) {
+    const int64_t blocks = w->k / gguf_block_values(w->kind);
+    const int64_t tasks = (w->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (w->n * w->row_bytes * m_total >= (1 << 16))
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < w->n ? n0 + ROWS_PER_TASK : w->n;
+        for (int64_t m0 = 0; m0 < m_total; m0 += Q8_ROWS_PER_PASS) {
+            const int64_t m1 = m0 + Q8_ROWS_PER_PASS < m_total ? m0 + Q8_ROWS_PER_PASS : m_total;
+            for (int64_t n = n0; n < n1; n++) {
+                const uint8_t *row = w->data + n * w->row_bytes;
+                for (int64_t m = m0; m < m1;) {
+                    const int count = m1 - m >= Q8_TILE ? Q8_TILE : 1;
+                    float y[Q8_TILE];
+                    q8_rows(w->kind, row, blocks, xs + m, count, y);
+                    for (int r = 0; r < count; r++, m++) out[m * w->n + n] = y[r] + (bias ? bias[n] : 0.f);
+                }
+            }
+        }
+    }
 }
 
 /* out[m_total, n] = x (rounded as above) times a GGUF weight's transpose (+ bias), any number of rows of x; the
@@ -197,26 +243,13 @@ static int gguf_q8_matmul(const weights_t *w, const float *x, int64_t m_total, c
                           int num_threads) {
     if (!q8_has_kernel(w->kind)) return -2;
     const int per_block = (int)gguf_block_values(w->kind);
-    const int64_t blocks = w->k / per_block;
     q8_x_t *xs = calloc((size_t)m_total, sizeof(q8_x_t));
     void *buffer = NULL;
     if (!xs || q8_prepare(x, m_total, w->k, per_block, xs, &buffer) != 0) {
         free(xs);
         return -1;
     }
-    const int64_t tasks = (w->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (w->n * w->row_bytes * m_total >= (1 << 16))
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < w->n ? n0 + ROWS_PER_TASK : w->n;
-        for (int64_t m0 = 0; m0 < m_total; m0 += Q8_ROWS_PER_PASS) {
-            const int64_t m1 = m0 + Q8_ROWS_PER_PASS < m_total ? m0 + Q8_ROWS_PER_PASS : m_total;
-            for (int64_t n = n0; n < n1; n++) {
-                const uint8_t *row = w->data + n * w->row_bytes;
-                for (int64_t m = m0; m < m1; m++)
-                    out[m * w->n + n] = q8_row(w->kind, row, blocks, xs + m) + (bias ? bias[n] : 0.f);
-            }
-        }
-    }
+    q8_multiply(w, xs, m_total, bias, out, num_threads);
     free(buffer);
     free(xs);
     return 0;

@@ -40,6 +40,14 @@
 #define STRATA_AVX512VNNI 0
 #endif
 
+/* AVX-VNNI: the 256-bit vpdpbusd (VEX), beside AVX2 on CPUs with or without AVX-512 (a branch of its own, not a level
+   below or above AVX-512). */
+#if STRATA_AVX2 && defined(__AVXVNNI__)
+#define STRATA_AVXVNNI 1
+#else
+#define STRATA_AVXVNNI 0
+#endif
+
 /* AMX tiles with bfloat16 products (and AVX512-BF16 to make their operands), on Linux, which grants the tile state
    on request (arch_prctl). */
 #if STRATA_AVX512F && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \

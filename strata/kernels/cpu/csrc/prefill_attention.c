@@ -92,6 +92,7 @@ typedef struct {
     int64_t queries, offset, panels, heads, group, head_dim;
     float scale;
     float *out; /* [queries][heads][head_dim] */
+    int causal; /* 0: every query sees every key (encoders) */
 } problem_t;
 
 /* Scores of rows r0 .. r0 + rows of the block against keys j0 .. j0 + kc (whole panels), into s [QB][KB]. */
@@ -108,8 +109,8 @@ static void scores(const problem_t *p, int64_t h, int64_t r0, int64_t rows, int6
 /* Rows r0 .. r0 + rows of query head h (query r sees keys 0 .. offset + r): out = softmax(q k^T scale) v. */
 static void task(const problem_t *p, int64_t h, int64_t r0, int64_t rows, float *s, float *acc, float *top,
                  float *total) {
-    const int64_t d = p->head_dim, last_key = p->offset + r0 + rows; /* keys 0 .. last_key - 1 are seen */
-    const int64_t keys = p->offset + p->queries;
+    const int64_t d = p->head_dim, keys = p->offset + p->queries;
+    const int64_t last_key = p->causal ? p->offset + r0 + rows : keys; /* keys 0 .. last_key - 1 are seen */
     const float *v = p->values + (h / p->group) * keys * d;
     for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY, total[r] = 0.f;
     memset(acc, 0, sizeof(float) * (size_t)(rows * d));
@@ -118,7 +119,7 @@ static void task(const problem_t *p, int64_t h, int64_t r0, int64_t rows, float 
         scores(p, h, r0, rows, j0, panels_kc, s);
         for (int64_t r = 0; r < rows; r++) {
             float *sr = s + r * KB;
-            int64_t seen = p->offset + r0 + r + 1 - j0; /* keys of this block row r sees */
+            int64_t seen = p->causal ? p->offset + r0 + r + 1 - j0 : kc; /* keys of this block row r sees */
             seen = seen < 0 ? 0 : seen > kc ? kc : seen;
             float highest = -INFINITY;
 #pragma omp simd reduction(max : highest)
@@ -176,7 +177,7 @@ int causal_prefill_attention(const float *q, int64_t q_stride, const float *k, c
     if (!keys_t) return -1;
     float *values = keys_t + kv_heads * panels * NR * head_dim;
     const problem_t p = {q, q_stride, keys_t, values, queries, offset, panels, heads, heads / kv_heads, head_dim,
-                         scale, out};
+                         scale, out, 1};
     const int64_t blocks = (queries + QB - 1) / QB;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -209,6 +210,80 @@ int causal_prefill_attention(const float *q, int64_t q_stride, const float *k, c
     return failed ? -1 : 0;
 #else
     (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)queries, (void)offset, (void)heads;
+    (void)kv_heads, (void)head_dim, (void)scale, (void)out, (void)num_threads;
+    return -2;
+#endif
+}
+
+/* Bidirectional attention of packed sequences (encoders): sequence i holds tokens starts[i] .. starts[i + 1] - 1
+   of q [tokens, heads, head_dim] (rows q_stride apart) and k / v [tokens, kv_heads, head_dim] (rows kv_stride
+   apart), and its queries see its own keys only, all of them. No padding: each sequence's keys are transposed
+   into panels once, and the tasks are (sequence, query block, head), longest sequences first. out [tokens, heads,
+   head_dim]. Returns as causal_prefill_attention does. */
+int varlen_bidirectional_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                                   int64_t kv_stride, const int64_t *starts, int64_t num_seqs, int64_t heads,
+                                   int64_t kv_heads, int64_t head_dim, float scale, float *out, int num_threads) {
+#if STRATA_AVX2
+    if (head_dim % NR || heads % kv_heads) return -2;
+    int64_t total_panels = 0, total_blocks = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        total_panels += (starts[i + 1] - starts[i] + NR - 1) / NR;
+        total_blocks += (starts[i + 1] - starts[i] + QB - 1) / QB;
+    }
+    const int64_t tokens = starts[num_seqs] - starts[0];
+    float *keys_t = aligned_alloc(64, (sizeof(float) * (size_t)(kv_heads * (total_panels * NR + tokens) * head_dim)
+                                       + 63) / 64 * 64);
+    problem_t *problems = malloc(sizeof(problem_t) * (size_t)num_seqs);
+    int64_t *blocks = malloc(sizeof(int64_t) * (size_t)(2 * total_blocks)); /* (sequence, first row) */
+    if (!keys_t || !problems || !blocks) return free(keys_t), free(problems), free(blocks), -1;
+    /* Sequence i's panels [kv_heads][panels][head_dim][NR] and values [kv_heads][len][head_dim] lie as a whole
+       prompt's do in causal_prefill_attention, one sequence after another. */
+    float *values = keys_t + kv_heads * total_panels * NR * head_dim;
+    for (int64_t i = 0, panel = 0, b = 0; i < num_seqs; i++) {
+        const int64_t len = starts[i + 1] - starts[i], panels = (len + NR - 1) / NR;
+        problems[i] = (problem_t){q + starts[i] * q_stride, q_stride, keys_t + panel * kv_heads * head_dim * NR,
+                                  values + (starts[i] - starts[0]) * kv_heads * head_dim, len, 0, panels, heads,
+                                  heads / kv_heads, head_dim, scale, out + (starts[i] - starts[0]) * heads * head_dim,
+                                  0};
+        panel += panels;
+        for (int64_t r0 = 0; r0 < len; r0 += QB, b++) blocks[2 * b] = i, blocks[2 * b + 1] = r0;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        for (int64_t i = 0; i < num_seqs; i++) { /* transposed keys and per-head values, as the causal kernel's */
+            const problem_t *p = &problems[i];
+            const float *ki = k + starts[i] * kv_stride, *vi = v + starts[i] * kv_stride;
+#pragma omp for schedule(static) nowait
+            for (int64_t hp = 0; hp < kv_heads * p->panels; hp++) {
+                const int64_t h = hp / p->panels, j0 = hp % p->panels * NR;
+                float *panel = (float *)p->keys_t + hp * head_dim * NR;
+                for (int64_t n = 0; n < NR; n++)
+                    for (int64_t c = 0; c < head_dim; c++)
+                        panel[c * NR + n] = j0 + n < p->queries ? ki[(j0 + n) * kv_stride + h * head_dim + c] : 0.f;
+            }
+#pragma omp for schedule(static) nowait
+            for (int64_t hj = 0; hj < kv_heads * p->queries; hj++)
+                memcpy((float *)p->values + hj * head_dim, vi + hj % p->queries * kv_stride + hj / p->queries * head_dim,
+                       sizeof(float) * (size_t)head_dim);
+        }
+#pragma omp barrier
+        float *s = malloc(sizeof(float) * (size_t)(QB * KB + QB * head_dim + 2 * QB));
+        if (!s) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < total_blocks * heads; t++) {
+            const int64_t b = t / heads, h = t % heads;
+            const problem_t *p = &problems[blocks[2 * b]];
+            const int64_t r0 = blocks[2 * b + 1], rows = p->queries - r0 < QB ? p->queries - r0 : QB;
+            float *acc = s + QB * KB, *top = acc + QB * head_dim;
+            if (s) task(p, h, r0, rows, s, acc, top, top + QB);
+        }
+        free(s);
+    }
+    free(keys_t), free(problems), free(blocks);
+    return failed ? -1 : 0;
+#else
+    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)starts, (void)num_seqs, (void)heads;
     (void)kv_heads, (void)head_dim, (void)scale, (void)out, (void)num_threads;
     return -2;
 #endif

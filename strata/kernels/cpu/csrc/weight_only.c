@@ -225,6 +225,7 @@ static void rows_times_x(const weights_t *w, int64_t n0, int64_t n1, const float
 #include "gguf_matmul.h"
 #include "gguf_q8.h"
 #include "mxfp4.h"
+#include "mxfp4_q8.h"
 
 #if STRATA_AVX512BW && !STRATA_AVX512VNNI /* the float32 path of AVX-512 CPUs without VNNI */
 typedef void (*row512_fn)(const weights_t *, int64_t, const float *, int64_t, const float *, float *);
@@ -365,6 +366,49 @@ int weight_rows(const void *weight, int64_t row_bytes, int kind, int64_t k, cons
     return 0;
 }
 
+/* Bytes of one row of k values rounded to 8 bits in blocks of per_block (32: Q8_0 / Q8_1, 256: Q8_K) as
+   q8_round_rows lays it out, a multiple of 64; -2 for another block size or a k of partial blocks. */
+int64_t q8_rounded_row_bytes(int64_t k, int per_block) {
+    if ((per_block != 32 && per_block != QK_K) || k <= 0 || k % per_block) return -2;
+    return (int64_t)q8_row_stride(k, per_block);
+}
+
+/* Rows x [m, k] rounded as llama.cpp rounds them (gguf_q8.h), once, into `rounded` (m rows of
+   q8_rounded_row_bytes, 64-byte aligned): the routed experts' input, each token's row multiplied by every expert
+   it is routed to. Returns 0, or -2 as q8_rounded_row_bytes. */
+int q8_round_rows(const float *x, int64_t m, int64_t k, int per_block, void *rounded, int num_threads) {
+    const int64_t stride = q8_rounded_row_bytes(k, per_block);
+    if (stride < 0) return -2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (m >= 8)
+    for (int64_t i = 0; i < m; i++) {
+        q8_x_t row = q8_at((uint8_t *)rounded + stride * i, k, per_block);
+        q8_round_row(x + i * k, k, per_block, &row);
+    }
+    return 0;
+}
+
+/* out[count, n] = rows ids[0..count) (rows 0..count when ids is NULL) of x rounded by q8_round_rows times a weight's
+   transpose (+ bias): KIND_GGUF_Q8 + ggml's type (x in that type's blocks), or KIND_MXFP4 with its exponents
+   [n, k / 32] (x in Q8_0 blocks; mxfp4_q8.h). Returns 0, -1 when memory ran out, -2 for another kind or shape. */
+int q8_rounded_matmul(const void *rounded, int64_t k, const int64_t *ids, int64_t count, const void *weight,
+                      int64_t row_bytes, int kind, const uint8_t *exps, const float *bias, float *out, int64_t n,
+                      int num_threads) {
+    const int mxfp4 = kind == KIND_MXFP4, base = kind - KIND_GGUF_Q8 + KIND_GGUF;
+    if (mxfp4 ? k % BLOCK || k / BLOCK * MXFP4_BLOCK_BYTES > row_bytes || !exps
+              : kind < KIND_GGUF_Q8 || !q8_has_kernel(base) || !gguf_shape_ok(base, k, row_bytes))
+        return -2;
+    const int per_block = mxfp4 ? 32 : (int)gguf_block_values(base);
+    const int64_t stride = q8_rounded_row_bytes(k, per_block);
+    q8_x_t *xs = malloc((size_t)(count > 0 ? count : 1) * sizeof(q8_x_t));
+    if (!xs) return -1;
+    for (int64_t i = 0; i < count; i++) xs[i] = q8_at((uint8_t *)rounded + stride * (ids ? ids[i] : i), k, per_block);
+    const weights_t w = {weight, row_bytes, n, k, 1, k, NULL, NULL, mxfp4 ? KIND_MXFP4 : base};
+    if (mxfp4) mxq_multiply(&w, exps, xs, count, bias, out, num_threads);
+    else q8_multiply(&w, xs, count, bias, out, num_threads);
+    free(xs);
+    return 0;
+}
+
 /* Rows of x up to which a GGUF kind's products take the fixed-point kernels (gguf_dot_avx2.h), 0 to 8; returns 0,
    or -2 where this build has no fixed-point kernel for the kind. Set while no product of the kind runs:
    kernel_choice.py's calibration, then its measured crossover, before a model's first step. */
@@ -393,6 +437,10 @@ int64_t fixed_point_rows(int kind) {
 const char *int8_activations_build(void) {
 #if STRATA_AVX512VNNI
     return "AVX-512 VNNI";
+#elif STRATA_AVXVNNI
+    return "AVX-VNNI";
+#elif STRATA_AVX2
+    return "AVX2";
 #else
     return "portable C";
 #endif
