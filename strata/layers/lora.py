@@ -112,7 +112,7 @@ class LinearLoRA:
     def kernel_view(self) -> Lora | None:
         """The slots as the C kernel reads them (valid while this object lives: every tensor is updated in place),
         or None where it cannot: weights not float32 in CPU memory."""
-        if self.a.dtype != torch.float32 or self.a.device.type != "cpu":
+        if self.a.dtype != torch.float32 or not cpu_kernels_apply(self.a):
             return None
         slots, width, in_features = self.a.shape
         return Lora(a=self.a.data_ptr(), bt=self.bt.data_ptr(), in_features=in_features,

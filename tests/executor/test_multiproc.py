@@ -167,8 +167,11 @@ def test_a_garbage_collected_llm_stops_its_workers(llama5, engine_args):
     assert wait_gone(pids, 10) == []
 
 
+# The driver takes Ctrl-C's default action, as a program started from a terminal does: a test run started in the
+# background of a non-interactive shell (`pytest ... &`) has SIGINT ignored, and its children inherit that.
 DRIVER_SCRIPT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from strata import LLM
 llm = LLM(sys.argv[1], pipeline_parallel_size=2, max_model_len=128, kv_cache_memory=4 << 20)
 executor = llm.engine.executor
