@@ -16,7 +16,7 @@ from PIL import Image
 
 from strata.config import ModelConfig
 from strata.errors import ConfigError, RequestError
-from strata.multimodal.image_loading import to_rgb
+from strata.multimodal.image_loading import refuse_unknown_processor_kwargs, to_rgb
 
 # Gemma3Processor's values for the pan-and-scan options that preprocessor_config.json leaves null (the released
 # checkpoints do); these are also the per-request keywords (vLLM's `mm_processor_kwargs`) this processor reads.
@@ -76,10 +76,7 @@ class Gemma3ImageConfig:
         """This config under a request's `mm_processor_kwargs` (the pan-and-scan options); other keys refused."""
         if not kwargs:
             return self
-        unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS))
-        if unknown:
-            raise RequestError(f"mm_processor_kwargs {unknown} are not supported (supported: "
-                               f"{', '.join(PROCESSOR_KWARGS)})", param="mm_processor_kwargs")
+        refuse_unknown_processor_kwargs(kwargs, PROCESSOR_KWARGS)
         current = {k: getattr(self, k) for k in PROCESSOR_KWARGS}
         options = _pan_and_scan_options({**current, **kwargs},
                                         lambda m: RequestError(f"mm_processor_kwargs.{m}", param="mm_processor_kwargs"))

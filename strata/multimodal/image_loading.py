@@ -11,7 +11,9 @@ import io
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -154,3 +156,11 @@ def _fetch_remote(url: str, timeout_s: float) -> bytes:
             f"image at {url!r} is larger than {MAX_REMOTE_IMAGE_BYTES // (1024 * 1024)} MiB", param=_PARAM
         )
     return data
+
+
+def refuse_unknown_processor_kwargs(kwargs: Mapping[str, Any], supported: Sequence[str]) -> None:
+    """A request's `mm_processor_kwargs` may name only the keys its model's processor reads (a 400 otherwise)."""
+    unknown = sorted(set(kwargs) - set(supported))
+    if unknown:
+        raise RequestError(f"mm_processor_kwargs {unknown} are not supported (supported: {', '.join(supported)})",
+                           param="mm_processor_kwargs")

@@ -16,7 +16,7 @@ from PIL import Image
 
 from strata.config import ModelConfig
 from strata.errors import ConfigError, RequestError
-from strata.multimodal.image_loading import to_rgb
+from strata.multimodal.image_loading import refuse_unknown_processor_kwargs, to_rgb
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 # The per-request keywords (vLLM's `mm_processor_kwargs`) this processor reads.
@@ -75,10 +75,7 @@ class Qwen2VLImageConfig:
         """This config under a request's `mm_processor_kwargs` (min_pixels / max_pixels); other keys refused."""
         if not kwargs:
             return self
-        unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS))
-        if unknown:
-            raise RequestError(f"mm_processor_kwargs {unknown} are not supported (supported: "
-                               f"{', '.join(PROCESSOR_KWARGS)})", param="mm_processor_kwargs")
+        refuse_unknown_processor_kwargs(kwargs, PROCESSOR_KWARGS)
         values = {}
         for key, value in kwargs.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
