@@ -17,7 +17,7 @@ from strata.config.multimodal_config import MultiModalConfig
 from strata.errors import RequestError, UnsupportedModelError
 from strata.multimodal.gemma3_image import Gemma3ImagePromptProcessor
 from strata.multimodal.image_cache import ImageCache
-from strata.multimodal.image_loading import load_image, to_rgb
+from strata.multimodal.image_loading import images_of, load_image, to_rgb
 from strata.multimodal.llama4_image import (
     IMAGE,
     Llama4ImageConfig,
@@ -118,16 +118,8 @@ class ImagePromptProcessor:
         if isinstance(data, ImageInputs):
             self.check(token_ids, data)
             return token_ids, data
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise RequestError("multi_modal_data must be {'image': <PIL image or list of them>}",
-                               param="multi_modal_data")
-        images = data.get("image")
-        images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
-        if not images:
-            return token_ids, None
-        if not all(isinstance(i, Image.Image) for i in images):
-            raise RequestError("multi_modal_data['image'] must hold PIL images", param="multi_modal_data")
-        return self.process(token_ids, [to_rgb(i) for i in images])
+        images = images_of(data)
+        return self.process(token_ids, images) if images else (token_ids, None)
 
 
 def _preprocessor_config(folder: Path) -> dict[str, Any] | None:

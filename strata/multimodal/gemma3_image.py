@@ -16,7 +16,7 @@ from PIL import Image
 
 from strata.config import ModelConfig
 from strata.errors import ConfigError, RequestError
-from strata.multimodal.image_loading import refuse_unknown_processor_kwargs, to_rgb
+from strata.multimodal.image_loading import image_token_runs, images_of, refuse_unknown_processor_kwargs, to_rgb
 
 # Gemma3Processor's values for the pan-and-scan options that preprocessor_config.json leaves null (the released
 # checkpoints do); these are also the per-request keywords (vLLM's `mm_processor_kwargs`) this processor reads.
@@ -229,7 +229,7 @@ class Gemma3ImagePromptProcessor:
         for p in pixels:
             digest.update(np.asarray(p.shape, np.int64).tobytes())
             digest.update(p.numpy().tobytes())
-        spans = image_spans(ids, self.config.image_token_id)
+        spans = image_token_runs(ids, self.config.image_token_id)
         per_image, blocks = self.config.tokens_per_image, sum(p.shape[0] for p in pixels)
         if len(spans) != blocks or any(e - s != per_image for s, e in spans):
             raise RequestError(f"the prompt's image soft tokens {spans} do not form one run of {per_image} per image "
@@ -243,16 +243,8 @@ class Gemma3ImagePromptProcessor:
         if isinstance(data, Gemma3ImageInputs):
             self.inputs(token_ids, data.pixel_values)  # checks the soft tokens against the images
             return token_ids, data
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise RequestError("multi_modal_data must be {'image': <PIL image or list of them>}",
-                               param="multi_modal_data")
-        images = data.get("image")
-        images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
-        if not images:
-            return token_ids, None
-        if not all(isinstance(i, Image.Image) for i in images):
-            raise RequestError("multi_modal_data['image'] must hold PIL images", param="multi_modal_data")
-        return self.process(token_ids, [to_rgb(i) for i in images], mm_processor_kwargs)
+        images = images_of(data)
+        return self.process(token_ids, images, mm_processor_kwargs) if images else (token_ids, None)
 
     def _check_usable(self) -> None:
         if not self.usable:
@@ -260,14 +252,3 @@ class Gemma3ImagePromptProcessor:
                                f"(ids {self.config.boi_token_id}, {self.config.image_token_id}, "
                                f"{self.config.eoi_token_id}): it serves text only", param="messages")
 
-
-def image_spans(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(start, end) of each maximal run of image soft tokens (transformers' image blocks)."""
-    spans, start = [], None
-    for i, t in enumerate([*token_ids, -1]):
-        if t == image_token_id and start is None:
-            start = i
-        elif t != image_token_id and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans

@@ -164,3 +164,28 @@ def refuse_unknown_processor_kwargs(kwargs: Mapping[str, Any], supported: Sequen
     if unknown:
         raise RequestError(f"mm_processor_kwargs {unknown} are not supported (supported: {', '.join(supported)})",
                            param="mm_processor_kwargs")
+
+
+def images_of(data: Any) -> list[Image.Image]:
+    """The RGB images of a prompt's `multi_modal_data` ({"image": image or list of them}); a 400 for anything else
+    (video included)."""
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise RequestError("multi_modal_data must be {'image': <PIL image or list of them>} (video input is not "
+                           "supported)", param="multi_modal_data")
+    images = data.get("image")
+    images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
+    if not all(isinstance(i, Image.Image) for i in images):
+        raise RequestError("multi_modal_data['image'] must hold PIL images", param="multi_modal_data")
+    return [to_rgb(i) for i in images]
+
+
+def image_token_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, end) of each maximal run of image tokens: one per image (or crop) in a processor-built prompt."""
+    runs, start = [], None
+    for i, t in enumerate([*token_ids, -1]):
+        if t == image_token_id and start is None:
+            start = i
+        elif t != image_token_id and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

@@ -16,7 +16,7 @@ from PIL import Image
 
 from strata.config import ModelConfig
 from strata.errors import ConfigError, RequestError
-from strata.multimodal.image_loading import refuse_unknown_processor_kwargs, to_rgb
+from strata.multimodal.image_loading import image_token_runs, images_of, refuse_unknown_processor_kwargs, to_rgb
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 # The per-request keywords (vLLM's `mm_processor_kwargs`) this processor reads.
@@ -145,17 +145,6 @@ def expand_image_pads(token_ids: Sequence[int], image_token_id: int, counts: Seq
     return out
 
 
-def image_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(start, end) of each maximal run of image tokens: one per image in a processor-built prompt."""
-    runs, start = [], None
-    for i, t in enumerate([*token_ids, -1]):
-        if t == image_token_id and start is None:
-            start = i
-        elif t != image_token_id and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
 
 def mrope_prompt_positions(runs: Sequence[tuple[int, int]], grids: Sequence[tuple[int, int, int]], merge: int
                            ) -> tuple[np.ndarray, int]:
@@ -227,7 +216,7 @@ class Qwen2VLImagePromptProcessor:
                ) -> Qwen2VLImageInputs:
         """The request's inputs; its image tokens must form one run per image of the image's size."""
         merge = self.config.merge_size
-        runs = image_runs(ids, self.config.image_token_id)
+        runs = image_token_runs(ids, self.config.image_token_id)
         sizes = [t * h * w // merge ** 2 for t, h, w in grids]
         if [e - s for s, e in runs] != sizes:
             raise RequestError(f"the prompt's image token runs {runs} do not match its images' token counts {sizes}",
@@ -245,13 +234,5 @@ class Qwen2VLImagePromptProcessor:
         if isinstance(data, Qwen2VLImageInputs):
             self.inputs(token_ids, data.pixel_values, data.grid_thw)  # checks the image tokens against the images
             return token_ids, data
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise RequestError("multi_modal_data must be {'image': <PIL image or list of them>} (video input is not "
-                               "supported)", param="multi_modal_data")
-        images = data.get("image")
-        images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
-        if not images:
-            return token_ids, None
-        if not all(isinstance(i, Image.Image) for i in images):
-            raise RequestError("multi_modal_data['image'] must hold PIL images", param="multi_modal_data")
-        return self.process(token_ids, [to_rgb(i) for i in images], mm_processor_kwargs)
+        images = images_of(data)
+        return self.process(token_ids, images, mm_processor_kwargs) if images else (token_ids, None)
