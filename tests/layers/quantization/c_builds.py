@@ -1,7 +1,7 @@
 """The weight-only and GEMM libraries built with forced instruction sets, so that a machine of any kind checks every
 build it can run (the plain-C fallback, AVX2/FMA with AVX-512 off, the same with AVX-VNNI, AVX-512 without VNNI,
-with it, and with AMX tiles), beside the native build the other tests use; and the GEMM's engine (FMA or AMX) forced
-for a block."""
+with it, with AMX tiles and with their int8 products), beside the native build the other tests use; and the GEMM's
+engine (FMA or AMX) forced for a block."""
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +25,10 @@ BUILDS = {"portable": (["-DSTRATA_PORTABLE"], set()),
           "avx512": (_AVX512, {"avx2", "fma", "avx512f", "avx512bw"}),
           "avx512_vnni": ([*_AVX512, "-mavx512vnni"], {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}),
           "amx": ([*_AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
-                  {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"})}
+                  {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}),
+          "amx_int8": ([*_AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+                       {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+                        "amx_int8"})}
 # Every weight kind the GEMM reads: bfloat16, int4, int8, FP8, then GGUF's (32 + ggml's type).
 GEMM_KINDS = (1, 4, 8, 9, *(32 + t for t in (1, 2, 3, 6, 7, 8, 12, 13, 14, 30)))
 

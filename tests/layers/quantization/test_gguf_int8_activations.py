@@ -101,7 +101,7 @@ def test_int8_product_equals_float64_of_llama_cpp_rounded_x_for_1_to_13_and_70_r
             _check(qtype, m, k, seed=m + k, what=f"{NAMES[qtype]} k={k}, {m} rows", bias=m == 3)
 
 
-@pytest.mark.parametrize("build", ["portable", "avx2", "avx2_vnni", "avx512_vnni"])
+@pytest.mark.parametrize("build", ["portable", "avx2", "avx2_vnni", "avx512_vnni", "amx_int8"])
 def test_each_c_build_equals_the_rounded_reference(build, tmp_path, monkeypatch):
     """AVX2 runs the vpmaddubsw kernels (gguf_q8_avx2.h), AVX2 with AVX-VNNI their 256-bit vpdpbusd form, AVX-512
     VNNI the 512-bit kernels; odd block counts (a legacy row's last block alone, a K-quant row's odd block), several

@@ -12,8 +12,7 @@
 
 #include "isa.h"
 #if STRATA_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 enum { GEMM_FMA = 0, GEMM_AMX = 1 };
@@ -24,17 +23,6 @@ enum { GEMM_FMA = 0, GEMM_AMX = 1 };
 #define TILE 512   /* bfloat16 values of one tile: 16 rows of 64 bytes */
 #define RUNS_MAX 32 /* runs of K of one panel: a task's 8 strips are 256 KiB of tiles, in L2 */
 #define GROUP_RUNS 4 /* runs summed in the tiles before an unscaled group is added up: 24 KiB of x's pieces, in L1 */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} tile_config_t;
-
-/* Linux hands out AMX's 8 KiB of tile state only to a process that asks; 1 once it has (any thread may ask). */
-static int amx_permitted(void) {
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-}
 
 /* Tiles 0-3 sums (m-block i, strip j at 2i + j), 4-5 x's pieces of two m-blocks, 6-7 the weights of two strips:
    all 16 rows of 64 bytes, or for halves products over 16 values of K (Q6_K's scale groups): x's tiles 16 rows of

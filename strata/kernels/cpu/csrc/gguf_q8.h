@@ -10,6 +10,7 @@
 #include <math.h>
 
 #include "gguf_blocks.h"
+#include "gguf_q8_round.h"
 
 enum { KIND_GGUF_Q8 = 64 }; /* + ggml's type: that GGUF kind, products with x rounded to 8 bits */
 
@@ -22,93 +23,6 @@ static inline int q8_has_kernel(int kind) {
     case KIND_Q4_K: case KIND_Q5_K: case KIND_Q6_K: return 1;
     default: return 0;
     }
-}
-
-/* float32 -> IEEE half, rounded to nearest even (GGML_FP32_TO_FP16), as float32 again. */
-static inline float q8_round_half(float f) {
-#if STRATA_F16C
-    return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
-#else
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    const uint32_t sign = bits & 0x80000000u, magnitude = bits & 0x7fffffffu;
-    uint16_t h;
-    if (magnitude >= 0x47800000u) h = magnitude > 0x7f800000u ? 0x7e00 : 0x7c00; /* NaN; overflow to infinity */
-    else if (magnitude < 0x38800000u) { /* subnormal half: magnitude * 2^24, rounded to nearest even */
-        float scaled_value, m;
-        memcpy(&m, &magnitude, sizeof m);
-        scaled_value = m * 0x1p24f;
-        h = (uint16_t)nearbyintf(scaled_value);
-    } else {
-        const uint32_t mantissa = magnitude & 0x7fffff, exponent = (magnitude >> 23) - 112;
-        uint32_t half = (exponent << 10) | (mantissa >> 13);
-        const uint32_t rest = mantissa & 0x1fff;
-        if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++; /* may carry into the exponent: right */
-        h = (uint16_t)half;
-    }
-    return f16_to_f32((uint16_t)(h | (sign >> 16)));
-#endif
-}
-
-/* ggml's nearest_int (float32's 2^23 + 2^22 added and taken off: ties to even) of a float32 product, as rintf; the
-   addition written out would let the compiler fuse it with the product (one rounding less, another integer at
-   near-ties). */
-static inline int q8_nearest_int(float f) { return (int)rintf(f); }
-
-/* One row of x rounded: q[k]; d per block (Q8_0: the fp16 d as float; Q8_K: float d); s per 32 (Q8_1's fp16 s);
-   lanes: q summed per 4 values (each int32 lane of a vpdpbusd); sum16: q summed per 16 (Q8_K's bsums). */
-typedef struct {
-    int8_t *q;
-    float *d, *s;
-    int32_t *lanes, *sum16;
-} q8_x_t;
-
-/* Blocks of 32 (Q8_0 / Q8_1), quantize_row_q8_1_ref's arithmetic. */
-static void q8_round_row_32(const float *x, int64_t k, q8_x_t *p) {
-    for (int64_t b = 0; b < k / 32; b++) {
-        const float *v = x + 32 * b;
-        float amax = 0.f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        int sum = 0;
-        for (int j = 0; j < 32; j++) {
-            const int q = (int)roundf(v[j] * id);
-            p->q[32 * b + j] = (int8_t)q;
-            sum += q;
-        }
-        p->d[b] = q8_round_half(d);
-        p->s[b] = q8_round_half((float)sum * d);
-    }
-}
-
-/* Blocks of 256 (Q8_K), quantize_row_q8_K_ref's arithmetic: the scale from the signed value of largest magnitude. */
-static void q8_round_row_256(const float *x, int64_t k, q8_x_t *p) {
-    for (int64_t b = 0; b < k / QK_K; b++) {
-        const float *v = x + QK_K * b;
-        float max = 0.f, amax = 0.f; /* the first value of largest magnitude (the reference's strict >) */
-        for (int j = 0; j < QK_K; j++)
-            if (fabsf(v[j]) > amax) amax = fabsf(v[j]), max = v[j];
-        if (amax == 0.f) {
-            memset(p->q + QK_K * b, 0, QK_K);
-            p->d[b] = 0.f;
-            continue;
-        }
-        const float iscale = -127.f / max;
-        for (int j = 0; j < QK_K; j++) {
-            const int q = q8_nearest_int(iscale * v[j]);
-            p->q[QK_K * b + j] = (int8_t)(q < 127 ? q : 127);
-        }
-        p->d[b] = 1.f / iscale;
-    }
-}
-
-static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
-    if (per_block == 32) q8_round_row_32(x, k, p);
-    else q8_round_row_256(x, k, p);
-    for (int64_t i = 0; i < k / 4; i++)
-        p->lanes[i] = p->q[4 * i] + p->q[4 * i + 1] + p->q[4 * i + 2] + p->q[4 * i + 3];
-    for (int64_t i = 0; i < k / 16; i++)
-        p->sum16[i] = p->lanes[4 * i] + p->lanes[4 * i + 1] + p->lanes[4 * i + 2] + p->lanes[4 * i + 3];
 }
 
 /* Portable: one block of a weight row against rounded x (block b). Integer sums per run, float once a block. */
@@ -155,57 +69,49 @@ static inline float q8_row_portable(int kind, const uint8_t *row, int64_t blocks
     return sum;
 }
 
+#if STRATA_AVX2
+/* A Q4_K / Q5_K block's 8 sub-block scales (low half) and mins (high half) as 16 int16 (gguf_dot_avx2.h's bytes). */
+static inline __m256i q8_k_scales_mins(const uint8_t *packed) { return _mm256_cvtepu8_epi16(k_scales_mins(packed)); }
+#endif
+
+#if STRATA_AMX_INT8
+#include "gguf_q8_amx.h"
+#endif
 #if STRATA_AVX512VNNI
 #include "gguf_q8_vnni.h"
 #elif STRATA_AVX2
 #include "gguf_q8_avx2.h"
 #endif
 
-#if STRATA_AVX2 && !STRATA_AVX512VNNI
-#define Q8_TILE Q8A_ROWS /* rows of x that AVX2's kernels take at once */
+#if STRATA_AVX512VNNI
+#define Q8_TILE Q8V_ROWS /* rows of x that the kernels take at once (and their halves, down to one) */
+#elif STRATA_AVX2
+#define Q8_TILE Q8A_ROWS
 #else
 #define Q8_TILE 1
 #endif
 
-/* One weight row against `count` rounded rows of x (1 or Q8_TILE): y[r]. The AVX-512 VNNI kernels, else AVX2's,
-   else portable C. */
+/* One weight row against `count` rounded rows of x (Q8_TILE or a power of two below it): y[r]. The AVX-512 VNNI
+   kernels, else AVX2's, else portable C. */
 static inline void q8_rows(int kind, const uint8_t *row, int64_t blocks, const q8_x_t *x, int count, float *y) {
 #if STRATA_AVX512VNNI
-    (void)count;
-    y[0] = q8_row_vnni(kind, row, blocks, x);
+    q8_rows_vnni(kind, row, blocks, x, count, y);
 #elif STRATA_AVX2
     q8_rows_avx2(kind, row, blocks, x, count, y);
 #else
-    (void)count;
-    y[0] = q8_row_portable(kind, row, blocks, x);
+    for (int r = 0; r < count; r++) y[r] = q8_row_portable(kind, row, blocks, x + r);
 #endif
 }
 
-/* Bytes of one rounded row of x (q8_x_t's arrays, 64-byte aligned): what q8_at lays out. */
-static inline size_t q8_row_stride(int64_t k, int per_block) {
-    const size_t per_row = (size_t)k + sizeof(float) * (size_t)(2 * (k / per_block)) +
-                           sizeof(int32_t) * (size_t)(k / 4 + k / 16);
-    return (per_row + 63) / 64 * 64;
-}
-
-/* The arrays of one rounded row at `at` (q8_row_stride bytes). */
-static inline q8_x_t q8_at(uint8_t *at, int64_t k, int per_block) {
-    q8_x_t x;
-    x.lanes = (int32_t *)at;
-    x.sum16 = x.lanes + k / 4;
-    x.d = (float *)(x.sum16 + k / 16);
-    x.s = x.d + k / per_block;
-    x.q = (int8_t *)(x.s + k / per_block);
-    return x;
-}
-
-/* Rounds every row of x once (threads over rows when there are many); -1 when memory ran out. The caller frees
-   *buffer. */
-static int q8_prepare(const float *x, int64_t m_total, int64_t k, int per_block, q8_x_t *xs, void **buffer) {
+/* Rounds every row of x once (threads over rows when there are many) into rows q8_row_stride apart, then m_alloc -
+   m_total rows of zeros; -1 when memory ran out. The caller frees *buffer. */
+static int q8_prepare(const float *x, int64_t m_total, int64_t m_alloc, int64_t k, int per_block, q8_x_t *xs,
+                      void **buffer) {
     const size_t stride = q8_row_stride(k, per_block);
-    uint8_t *base = aligned_alloc(64, stride * (size_t)m_total);
+    uint8_t *base = aligned_alloc(64, stride * (size_t)m_alloc);
     if (!base) return -1;
     *buffer = base;
+    memset(base + stride * (size_t)m_total, 0, stride * (size_t)(m_alloc - m_total));
     for (int64_t m = 0; m < m_total; m++) xs[m] = q8_at(base + stride * (size_t)m, k, per_block);
 #pragma omp parallel for schedule(static) if (m_total >= 8)
     for (int64_t m = 0; m < m_total; m++) q8_round_row(x + m * k, k, per_block, xs + m);
@@ -226,7 +132,8 @@ static void q8_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, c
             for (int64_t n = n0; n < n1; n++) {
                 const uint8_t *row = w->data + n * w->row_bytes;
                 for (int64_t m = m0; m < m1;) {
-                    const int count = m1 - m >= Q8_TILE ? Q8_TILE : 1;
+                    int count = Q8_TILE;
+                    while (count > m1 - m) count /= 2;
                     float y[Q8_TILE];
                     q8_rows(w->kind, row, blocks, xs + m, count, y);
                     for (int r = 0; r < count; r++, m++) out[m * w->n + n] = y[r] + (bias ? bias[n] : 0.f);
@@ -236,23 +143,35 @@ static void q8_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, c
     }
 }
 
-/* out[m_total, n] = x (rounded as above) times a GGUF weight's transpose (+ bias), any number of rows of x; the
-   weight's rows shared among the threads, each read once for up to Q8_ROWS_PER_PASS rows of x. Returns 0, -1 when
-   memory ran out, -2 for a kind without these kernels. */
+/* out[m_total, n] = x (rounded as above) times a GGUF weight's transpose (+ bias), any number of rows of x: on AMX's
+   int8 tiles from Q8X_MIN_ROWS rows where the build and the CPU have them, else the weight's rows shared among the
+   threads, each read once for up to Q8_ROWS_PER_PASS rows of x. Returns 0, -1 when memory ran out, -2 for a kind
+   without these kernels. */
 static int gguf_q8_matmul(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
                           int num_threads) {
     if (!q8_has_kernel(w->kind)) return -2;
     const int per_block = (int)gguf_block_values(w->kind);
+#if STRATA_AMX_INT8
+    const int tiles = m_total >= Q8X_MIN_ROWS && amx_permitted();
+#else
+    const int tiles = 0;
+#endif
+    const int64_t m_alloc = tiles ? (m_total + 15) / 16 * 16 : m_total;
     q8_x_t *xs = calloc((size_t)m_total, sizeof(q8_x_t));
     void *buffer = NULL;
-    if (!xs || q8_prepare(x, m_total, w->k, per_block, xs, &buffer) != 0) {
+    if (!xs || q8_prepare(x, m_total, m_alloc, w->k, per_block, xs, &buffer) != 0) {
         free(xs);
         return -1;
     }
-    q8_multiply(w, xs, m_total, bias, out, num_threads);
+    int status = 0;
+#if STRATA_AMX_INT8
+    if (tiles) status = q8x_multiply(w, xs, m_total, (int64_t)q8_row_stride(w->k, per_block), bias, out, num_threads);
+    else
+#endif
+        q8_multiply(w, xs, m_total, bias, out, num_threads);
     free(buffer);
     free(xs);
-    return 0;
+    return status;
 }
 
 #endif

@@ -68,20 +68,6 @@ static inline __attribute__((always_inline)) void q8a_legacy_block(const int KIN
     }
 }
 
-/* A Q4_K / Q5_K block's 8 sub-block scales (low half) and mins (high half) as 16 int16, unpacked from its 12 bytes
-   four at a time (k_scale_min's layout). */
-static inline __m256i q8a_k_scales_mins(const uint8_t *packed) {
-    uint32_t u[4];
-    memcpy(u, packed, 12);
-    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
-    const uint32_t mins_lo = u[1] & low6;
-    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4); /* mins 4-7 */
-    u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);        /* scales 4-7 */
-    u[0] &= low6;                                                /* scales 0-3 */
-    u[2] = mins_lo;                                              /* mins 0-3 */
-    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)u));
-}
-
 /* sum over sub-blocks j of mins[j] * (x summed over sub-block j's 32 values), x's sums per 16 at s16. */
 static inline int32_t q8a_k_mins(__m256i scales_mins, const int32_t *s16) {
     const __m256i pairs = _mm256_hadd_epi32(_mm256_loadu_si256((const __m256i *)s16),
@@ -100,7 +86,7 @@ static inline __attribute__((always_inline)) void q8a_q45k_block(const int KIND,
                                                                  int64_t b, const q8_x_t *x, __m256 *acc, float *mins) {
     const uint8_t *qs = block + (KIND == KIND_Q5_K ? 48 : 16);
     const __m256i nibble = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-    const __m256i scales_mins = q8a_k_scales_mins(block + 4);
+    const __m256i scales_mins = q8_k_scales_mins(block + 4);
     const __m256i scales = _mm256_permute2x128_si256(scales_mins, scales_mins, 0x00); /* both halves: scales */
     const __m256i qh = KIND == KIND_Q5_K ? _mm256_loadu_si256((const __m256i *)(block + 16)) : _mm256_setzero_si256();
     __m256i total[Q8A_ROWS];
@@ -206,11 +192,12 @@ static inline __attribute__((always_inline)) void q8a_rows(const int KIND, const
         y[r] = q8a_hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (mins[0][r] + mins[1][r]);
 }
 
-/* One weight row against `count` rows of x (1 or Q8A_ROWS): y[r]. */
+/* One weight row against `count` rows of x (1, 2 or Q8A_ROWS): y[r]. */
 static void q8_rows_avx2(int kind, const uint8_t *row, int64_t blocks, const q8_x_t *x, int count, float *y) {
 #define Q8A_KIND(KIND)                                                                                              \
     case KIND:                                                                                                      \
         if (count == Q8A_ROWS) q8a_rows(KIND, Q8A_ROWS, row, blocks, x, y);                                        \
+        else if (count == 2) q8a_rows(KIND, 2, row, blocks, x, y);                                                 \
         else q8a_rows(KIND, 1, row, blocks, x, y);                                                                 \
         return;
     switch (kind) { /* constant kinds and row counts, so each kernel inlines */

@@ -160,4 +160,26 @@ static float q8_row_vnni(int kind, const uint8_t *row, int64_t blocks, const q8_
     }
 }
 
+#include "gguf_q8_vnni_rows.h"
+
+/* One weight row against `count` rows of x (1, 2, 4 or Q8V_ROWS): y[r]. */
+static void q8_rows_vnni(int kind, const uint8_t *row, int64_t blocks, const q8_x_t *x, int count, float *y) {
+    if (count == 1) {
+        y[0] = q8_row_vnni(kind, row, blocks, x);
+        return;
+    }
+#define Q8V_KIND(KIND)                                                                                              \
+    case KIND:                                                                                                      \
+        if (count == Q8V_ROWS) q8v_rows(KIND, Q8V_ROWS, row, blocks, x, y);                                        \
+        else if (count == 4) q8v_rows(KIND, 4, row, blocks, x, y);                                                 \
+        else q8v_rows(KIND, 2, row, blocks, x, y);                                                                 \
+        return;
+    switch (kind) { /* constant kinds and row counts, so each kernel inlines */
+    Q8V_KIND(KIND_Q4_0) Q8V_KIND(KIND_Q4_1) Q8V_KIND(KIND_Q5_0) Q8V_KIND(KIND_Q5_1) Q8V_KIND(KIND_Q8_0)
+    Q8V_KIND(KIND_Q4_K) Q8V_KIND(KIND_Q5_K) Q8V_KIND(KIND_Q6_K)
+    default: return;
+    }
+#undef Q8V_KIND
+}
+
 #endif

@@ -57,6 +57,13 @@
 #define STRATA_AMX 0
 #endif
 
+/* AMX's int8 tile products (tdpbusd) beside the tiles above. */
+#if STRATA_AMX && defined(__AMX_INT8__)
+#define STRATA_AMX_INT8 1
+#else
+#define STRATA_AMX_INT8 0
+#endif
+
 /* An x86 CPU (its pause instruction in spin loops), whatever the vector extensions. */
 #if defined(__x86_64__) || defined(__i386__)
 #define STRATA_X86 1
