@@ -74,13 +74,13 @@ static inline float q8_row_portable(int kind, const uint8_t *row, int64_t blocks
 static inline __m256i q8_k_scales_mins(const uint8_t *packed) { return _mm256_cvtepu8_epi16(k_scales_mins(packed)); }
 #endif
 
-#if STRATA_AMX_INT8
-#include "gguf_q8_amx.h"
-#endif
 #if STRATA_AVX512VNNI
 #include "gguf_q8_vnni.h"
 #elif STRATA_AVX2
 #include "gguf_q8_avx2.h"
+#endif
+#if STRATA_AMX_INT8
+#include "gguf_q8_amx.h" /* after the VNNI kernels, whose weight values it packs */
 #endif
 
 #if STRATA_AVX512VNNI
@@ -144,7 +144,7 @@ static void q8_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, c
 }
 
 /* out[m_total, n] = x (rounded as above) times a GGUF weight's transpose (+ bias), any number of rows of x: on AMX's
-   int8 tiles from Q8X_MIN_ROWS rows where the build and the CPU have them, else the weight's rows shared among the
+   int8 tiles from q8x_min_rows rows where the build and the CPU have them, else the weight's rows shared among the
    threads, each read once for up to Q8_ROWS_PER_PASS rows of x. Returns 0, -1 when memory ran out, -2 for a kind
    without these kernels. */
 static int gguf_q8_matmul(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
@@ -152,7 +152,7 @@ static int gguf_q8_matmul(const weights_t *w, const float *x, int64_t m_total, c
     if (!q8_has_kernel(w->kind)) return -2;
     const int per_block = (int)gguf_block_values(w->kind);
 #if STRATA_AMX_INT8
-    const int tiles = m_total >= Q8X_MIN_ROWS && amx_permitted();
+    const int tiles = m_total >= q8x_min_rows(w->kind) && amx_permitted();
 #else
     const int tiles = 0;
 #endif

@@ -8,55 +8,81 @@
 #define STRATA_GGUF_Q8_AMX_H
 #include "amx_tiles.h"
 
-#define Q8X_MIN_ROWS 32 /* rows of x from which the tiles take a product (fewer: the VNNI kernels) */
+/* Rows of x from which the tiles take a product (fewer: the VNNI kernels): the legacy kinds' values cost little to
+   pack, the K-quants' more, and their VNNI kernels are quicker (one Sapphire Rapids core, 1536 x 768: Q4_1 at 8 rows
+   176 us on the tiles, 219 with VNNI; Q6_K 280 and 160; at 16 rows both kinds are quicker on the tiles). */
+static inline int q8x_min_rows(int kind) { return gguf_block_values(kind) == 32 ? 8 : 16; }
 
 /* One strip of 16 weight rows packed for the tiles, per scale group u (a run of 32 values; Q6_K: each 16): the
-   signed values [u][K quads of the group][16 rows][4], each row's scale, 128 times its values' sum, and its offset
-   (the mins: Q4_1 / Q5_1's m, the K-quants' -dmin * mn; zero for the others). */
+   signed values [u][K quads of the group][16 rows][4], each row's scale, -128 times its values' sum (where the tile
+   sums of x + 128 start, to be x's alone), and its offset (the mins: Q4_1 / Q5_1's m, the K-quants' -dmin * mn; zero
+   for the others). */
 typedef struct {
     int8_t *values;
     float *scale, *offset;
-    int32_t *sum128;
+    int32_t *start;
 } q8x_strip_t;
 
-/* Weight rows n0 .. n0 + 15 (rows past n: zeros) packed into s, two runs of 32 a transpose. */
+/* Row n's 64 values from value 64 i (runs 2i and 2i + 1; signed, as the tiles take them) and their groups' scales
+   and offsets (scale[g], offset[g] for each group g of the 64 values: 2 runs, or Q6_K's 4 sixteens). */
+static inline __attribute__((always_inline)) __m512i q8x_values(const int KIND, const uint8_t *row, int64_t i,
+                                                                float *scale, float *offset) {
+    const int64_t per_block = gguf_block_values(KIND), bytes = gguf_block_bytes(KIND);
+    const uint8_t *block = row + 64 * i / per_block * bytes;
+    if (per_block == 32) {
+        const uint8_t *next = block + bytes;
+        scale[0] = half_at(block), scale[1] = half_at(next);
+        if (KIND == KIND_Q4_1 || KIND == KIND_Q5_1) offset[0] = half_at(block + 2), offset[1] = half_at(next + 2);
+        return q8v_legacy_values(KIND, block);
+    }
+    const int quarter = (int)(i % 4);
+    if (KIND == KIND_Q6_K) {
+        const float d = half_at(block + 208);
+        for (int g = 0; g < 4; g++) scale[g] = d * (float)(int8_t)block[192 + 4 * quarter + g];
+        return q8v_q6k_values(block, quarter);
+    }
+    const float d = half_at(block), dmin = half_at(block + 2);
+    for (int g = 0; g < 2; g++) {
+        int sc, mn;
+        k_scale_min(block + 4, 2 * quarter + g, &sc, &mn);
+        scale[g] = d * (float)sc, offset[g] = -(dmin * (float)mn);
+    }
+    return q8v_q45k_values(KIND, block, quarter);
+}
+
+/* Weight rows n0 .. n0 + 15 (rows past n: zeros) packed into s, 64 values of each row a transpose (a legacy row's
+   odd last block alone). */
 static inline __attribute__((always_inline)) void q8x_pack(const int KIND, const weights_t *w, int64_t n0,
                                                            int64_t runs, q8x_strip_t *s) {
-    const int64_t per_block = gguf_block_values(KIND), bytes = gguf_block_bytes(KIND);
-    const int minus = KIND == KIND_Q4_0 ? 8 : KIND == KIND_Q5_0 ? 16 : KIND == KIND_Q6_K ? 32 : 0;
-    const int halves = KIND == KIND_Q6_K, offsets = KIND == KIND_Q4_1 || KIND == KIND_Q5_1 ||
-                                                      KIND == KIND_Q4_K || KIND == KIND_Q5_K;
-    for (int64_t r0 = 0; r0 < runs; r0 += 2) {
+    const int group = KIND == KIND_Q6_K ? 16 : 32, per64 = 64 / group;
+    const __m512i one = _mm512_set1_epi8(1);
+    for (int64_t i = 0; i < (runs + 1) / 2; i++) {
+        const int lone = 2 * i + 1 == runs; /* runs is odd: run 2i is the row's last (legacy kinds only) */
         __m512i rows[16];
         for (int j = 0; j < 16; j++) {
-            __m256i v[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int64_t run = r0; run < r0 + 2 && run < runs; run++) {
-                float scale[2] = {0.f, 0.f}, offset[2] = {0.f, 0.f};
-                int32_t sums[2] = {0, 0};
-                if (n0 + j < w->n) {
-                    __m128i q[2];
-                    const uint8_t *row = w->data + (n0 + j) * w->row_bytes;
-                    gguf_run_bytes(KIND, row + run * 32 / per_block * bytes, (int)(run % (per_block / 32)), q, scale,
-                                   offset);
-                    for (int i = 0; i < 2; i++) {
-                        q[i] = _mm_sub_epi8(q[i], _mm_set1_epi8((char)minus));
-                        const __m128i sad = _mm_sad_epu8(_mm_xor_si128(q[i], _mm_set1_epi8((char)0x80)),
-                                                         _mm_setzero_si128()); /* sum of q + 128 per 8 */
-                        sums[i] = _mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 16 * 128;
-                    }
-                    v[run - r0] = _mm256_set_m128i(q[1], q[0]);
-                }
-                if (halves)
-                    for (int i = 0; i < 2; i++) s->scale[(2 * run + i) * 16 + j] = scale[i],
-                                                s->sum128[(2 * run + i) * 16 + j] = 128 * sums[i];
-                else
-                    s->scale[run * 16 + j] = scale[0], s->sum128[run * 16 + j] = 128 * (sums[0] + sums[1]),
-                    s->offset[run * 16 + j] = offsets ? offset[0] : 0.f;
+            float scale[4] = {0.f, 0.f, 0.f, 0.f}, offset[4] = {0.f, 0.f, 0.f, 0.f};
+            rows[j] = _mm512_setzero_si512();
+            if (n0 + j < w->n && !lone) {
+                rows[j] = q8x_values(KIND, w->data + (n0 + j) * w->row_bytes, i, scale, offset);
+            } else if (n0 + j < w->n) { /* the lone block as the second of a pair whose first is zeros */
+                const int64_t bytes = gguf_block_bytes(KIND);
+                uint8_t pair[2 * 34] = {0};
+                memcpy(pair + bytes, w->data + (n0 + j) * w->row_bytes + 2 * i * bytes, (size_t)bytes);
+                rows[j] = q8x_values(KIND, pair, 0, scale, offset);
+                rows[j] = _mm512_shuffle_i64x2(rows[j], rows[j], _MM_SHUFFLE(3, 2, 3, 2));
+                scale[0] = scale[1], offset[0] = offset[1];
             }
-            rows[j] = _mm512_inserti64x4(_mm512_castsi256_si512(v[0]), v[1], 1);
+            for (int g = 0; g < per64 && i * per64 + g < runs * (32 / group); g++)
+                s->scale[(i * per64 + g) * 16 + j] = scale[g], s->offset[(i * per64 + g) * 16 + j] = offset[g];
         }
-        transpose16(rows); /* row j held row j's 16 quads of two runs; now row p holds quad p of the 16 rows */
-        for (int p = 0; p < 16; p++) _mm512_store_si512(s->values + (r0 * 8 + p) * 64, rows[p]);
+        transpose16(rows); /* row j held row j's 16 quads; now row p holds quad p of the 16 rows */
+        for (int p = 0; p < 16; p++) _mm512_store_si512(s->values + (16 * i + p) * 64, rows[p]);
+        for (int g = 0; g < per64 && i * per64 + g < runs * (32 / group); g++) { /* each row's sum of the group */
+            __m512i sum = _mm512_setzero_si512();
+            for (int p = g * group / 4; p < (g + 1) * group / 4; p++) sum = _mm512_dpbusd_epi32(sum, one, rows[p]);
+            _mm512_store_si512(s->start + (i * per64 + g) * 16,
+                               _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+        }
     }
 }
 
@@ -69,18 +95,17 @@ static void q8x_pack_any(const weights_t *w, int64_t n0, int64_t runs, q8x_strip
     }
 }
 
-/* acc[i] += (t[i] - sum128) * scale * dx[i] (+ offset * tx[i]) for the 16 rows of one group's tile sums. */
+/* acc[i] += t[i] * scale * dx[i] (+ offset * tx[i]) for the first `rows` of one group's tile sums. */
 static inline __attribute__((always_inline)) void q8x_add(const int32_t t[16][16], const q8x_strip_t *s, int64_t u,
-                                                          const float *dx, const float *tx, __m512 acc[16]) {
-    const __m512 scale = _mm512_load_ps(s->scale + 16 * u);
-    const __m512i sum128 = _mm512_load_si512((const void *)(s->sum128 + 16 * u));
+                                                          const float *dx, const float *tx, int rows,
+                                                          __m512 acc[16]) {
+    const __m512 scale = _mm512_load_ps(s->scale + 16 * u), offset = _mm512_load_ps(s->offset + 16 * u);
+    #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) {
-        const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512((const void *)t[i]), sum128));
+        if (i >= rows) break;
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)t[i]));
         acc[i] = _mm512_fmadd_ps(sums, _mm512_mul_ps(scale, _mm512_set1_ps(dx[i])), acc[i]);
-    }
-    if (tx) {
-        const __m512 offset = _mm512_load_ps(s->offset + 16 * u);
-        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(tx[i]), acc[i]);
+        if (tx) acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(tx[i]), acc[i]);
     }
 }
 
@@ -95,39 +120,36 @@ static void q8x_configure(int group) {
     _tile_loadconfig(&c);
 }
 
-/* Rows m0 .. m0 + 15 of x (their q + 128 at uq, rows `stride` bytes apart) times one packed strip, every group:
-   acc[16], rows of 16 outputs. dx, tx: [groups][16] x's scales and mins' factors for these rows (tx NULL: none).
-   Two tile sums in flight: group u + 1's product runs while group u's sums are scaled. */
+/* Group u's tile product into sums tile C (x's tile A, the strip's tile B), its sums starting from the strip's. */
+#define Q8X_ISSUE(C, A, B, u)                                                                                      \
+    do {                                                                                                           \
+        _tile_loadd(A, uq + (u) * group, stride);                                                                 \
+        _tile_loadd(B, s->values + (u) * 16 * group, 64);                                                         \
+        _tile_loadd(C, s->start + 16 * (u), 0);                                                                   \
+        _tile_dpbusd(C, A, B);                                                                                     \
+    } while (0)
+
+/* Rows m0 .. m0 + rows - 1 (rows <= 16; the tile's other rows zeros) of x (their q + 128 at uq, rows `stride` bytes
+   apart) times one packed strip, every group: acc[16], rows of 16 outputs. dx, tx: [groups][16] x's scales and mins'
+   factors for these rows (tx NULL: none). Two tile sums in turn: a group's product runs while the one before it is
+   stored and the one before that is scaled, so that the vector units never wait on the tiles. */
 static void q8x_strip_rows(const uint8_t *uq, int64_t stride, int64_t groups, int group, const q8x_strip_t *s,
-                           const float *dx, const float *tx, __m512 acc[16]) {
+                           const float *dx, const float *tx, int rows, __m512 acc[16]) {
     _Alignas(64) int32_t t[2][16][16];
-    const int64_t tile_bytes = 16 * group;
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    _tile_loadd(2, uq, stride);
-    _tile_loadd(3, s->values, 64);
-    _tile_zero(0);
-    _tile_dpbusd(0, 2, 3);
+    Q8X_ISSUE(0, 2, 3, 0);
     for (int64_t u = 0; u < groups; u += 2) {
-        if (u + 1 < groups) {
-            _tile_loadd(4, uq + (u + 1) * group, stride);
-            _tile_loadd(5, s->values + (u + 1) * tile_bytes, 64);
-            _tile_zero(1);
-            _tile_dpbusd(1, 4, 5);
-        }
+        if (u + 1 < groups) Q8X_ISSUE(1, 4, 5, u + 1);
         _tile_stored(0, t[0], 64);
-        if (u + 2 < groups) {
-            _tile_loadd(2, uq + (u + 2) * group, stride);
-            _tile_loadd(3, s->values + (u + 2) * tile_bytes, 64);
-            _tile_zero(0);
-            _tile_dpbusd(0, 2, 3);
-        }
-        q8x_add(t[0], s, u, dx + 16 * u, tx ? tx + 16 * u : NULL, acc);
-        if (u + 1 < groups) {
-            _tile_stored(1, t[1], 64);
-            q8x_add(t[1], s, u + 1, dx + 16 * (u + 1), tx ? tx + 16 * (u + 1) : NULL, acc);
-        }
+        if (u > 0) q8x_add(t[1], s, u - 1, dx + 16 * (u - 1), tx ? tx + 16 * (u - 1) : NULL, rows, acc);
+        if (u + 2 < groups) Q8X_ISSUE(0, 2, 3, u + 2);
+        if (u + 1 < groups) _tile_stored(1, t[1], 64);
+        q8x_add(t[0], s, u, dx + 16 * u, tx ? tx + 16 * u : NULL, rows, acc);
     }
+    if (groups % 2 == 0) q8x_add(t[1], s, groups - 1, dx + 16 * (groups - 1), tx ? tx + 16 * (groups - 1) : NULL,
+                                 rows, acc);
 }
+#undef Q8X_ISSUE
 
 /* x's per-group factors for rows m (groups of `group` values): dx[m / 16][u][m % 16] its d, tx the mins' factor
    (Q8_1's s for Q4_1 / Q5_1, d times the run's sum for the K-quants); rows past m_total zero. */
@@ -164,7 +186,7 @@ static int q8x_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, i
         q8x_strip_t s = {aligned_alloc(64, (size_t)(even_runs * 512)),
                          aligned_alloc(64, sizeof(float) * (size_t)(groups * 32)), NULL,
                          aligned_alloc(64, sizeof(int32_t) * (size_t)(groups * 16))};
-        if (s.values && s.scale && s.sum128) s.offset = s.scale + groups * 16, q8x_configure(group);
+        if (s.values && s.scale && s.start) s.offset = s.scale + groups * 16, q8x_configure(group);
         else failed = 1;
 #pragma omp for schedule(static)
         for (int64_t strip = 0; strip < strips; strip++) {
@@ -174,15 +196,16 @@ static int q8x_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, i
             q8x_pack_any(w, n0, runs, &s);
             for (int64_t m0 = 0; m0 < m_pad; m0 += 16) {
                 __m512 acc[16];
+                const int rows = m_total - m0 < 16 ? (int)(m_total - m0) : 16;
                 q8x_strip_rows(xs[0].uq + m0 * stride, stride, groups, group, &s, dx + m0 * groups,
-                               tx ? tx + m0 * groups : NULL, acc);
+                               tx ? tx + m0 * groups : NULL, rows, acc);
                 const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
                 for (int64_t i = 0; i < 16 && m0 + i < m_total; i++)
                     _mm512_mask_storeu_ps(out + (m0 + i) * w->n + n0, valid, _mm512_add_ps(acc[i], b));
             }
         }
         if (!failed) _tile_release();
-        free(s.values), free(s.scale), free(s.sum128);
+        free(s.values), free(s.scale), free(s.start);
     }
     free(dx);
     return failed ? -1 : 0;
