@@ -95,17 +95,30 @@ static void q8x_pack_any(const weights_t *w, int64_t n0, int64_t runs, q8x_strip
     }
 }
 
-/* acc[i] += t[i] * scale * dx[i] (+ offset * tx[i]) for the first `rows` of one group's tile sums. */
-static inline __attribute__((always_inline)) void q8x_add(const int32_t t[16][16], const q8x_strip_t *s, int64_t u,
-                                                          const float *dx, const float *tx, int rows,
-                                                          __m512 acc[16]) {
+/* One group's tile sums into the first `rows` rows of acc: legacy kinds (PER_BLOCK 32) acc[i] += t[i] * scale * dx[i]
+   (+ offset * tx[i]); K-quants (256), whose x shares one d over the groups of a block, acc[i] += t[i] * scale (+ offset
+   * tx[i], x's sum over the group), x's d applied once a block (q8x_flush). */
+static inline __attribute__((always_inline)) void q8x_add(const int PER_BLOCK, const int32_t t[16][16],
+                                                          const q8x_strip_t *s, int64_t u, const float *dx,
+                                                          const float *tx, int rows, __m512 acc[16]) {
     const __m512 scale = _mm512_load_ps(s->scale + 16 * u), offset = _mm512_load_ps(s->offset + 16 * u);
     #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) {
         if (i >= rows) break;
         const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)t[i]));
-        acc[i] = _mm512_fmadd_ps(sums, _mm512_mul_ps(scale, _mm512_set1_ps(dx[i])), acc[i]);
+        acc[i] = _mm512_fmadd_ps(sums, PER_BLOCK == 32 ? _mm512_mul_ps(scale, _mm512_set1_ps(dx[i])) : scale, acc[i]);
         if (tx) acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(tx[i]), acc[i]);
+    }
+}
+
+/* A K-quant block's sums (acc, zeroed) times x's d per row into total. */
+static inline __attribute__((always_inline)) void q8x_flush(const float *dx, int rows, __m512 acc[16],
+                                                            float total[16][16]) {
+    #pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) {
+        if (i >= rows) break;
+        _mm512_store_ps(total[i], _mm512_fmadd_ps(acc[i], _mm512_set1_ps(dx[i]), _mm512_load_ps(total[i])));
+        acc[i] = _mm512_setzero_ps();
     }
 }
 
@@ -129,30 +142,43 @@ static void q8x_configure(int group) {
         _tile_dpbusd(C, A, B);                                                                                     \
     } while (0)
 
+/* Group u's tile sums (stored in buffer T) into acc; a K-quant block's last group flushes them into total. */
+#define Q8X_ADD(T, u)                                                                                              \
+    do {                                                                                                           \
+        q8x_add(PER_BLOCK, t[T], s, u, dx + 16 * (u), tx ? tx + 16 * (u) : NULL, rows, acc);                      \
+        if (PER_BLOCK == 256 && ((u) + 1) % (256 / group) == 0) q8x_flush(dx + 16 * (u), rows, acc, total);         \
+    } while (0)
+
 /* Rows m0 .. m0 + rows - 1 (rows <= 16; the tile's other rows zeros) of x (their q + 128 at uq, rows `stride` bytes
-   apart) times one packed strip, every group: acc[16], rows of 16 outputs. dx, tx: [groups][16] x's scales and mins'
-   factors for these rows (tx NULL: none). Two tile sums in turn: a group's product runs while the one before it is
-   stored and the one before that is scaled, so that the vector units never wait on the tiles. */
-static void q8x_strip_rows(const uint8_t *uq, int64_t stride, int64_t groups, int group, const q8x_strip_t *s,
-                           const float *dx, const float *tx, int rows, __m512 acc[16]) {
+   apart) times one packed strip, every group: total[16][16], rows of 16 outputs. dx, tx: [groups][16] x's scales
+   and mins' factors for these rows (tx NULL: none). Two tile sums in turn: a group's product runs while the one
+   before it is stored and the one before that is scaled, so that the vector units never wait on the tiles. */
+static inline __attribute__((always_inline)) void q8x_strip_rows(const int PER_BLOCK, const uint8_t *uq,
+                                                                 int64_t stride, int64_t groups, int group,
+                                                                 const q8x_strip_t *s, const float *dx,
+                                                                 const float *tx, int rows, float total[16][16]) {
     _Alignas(64) int32_t t[2][16][16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps(), _mm512_store_ps(total[i], acc[i]);
     Q8X_ISSUE(0, 2, 3, 0);
     for (int64_t u = 0; u < groups; u += 2) {
         if (u + 1 < groups) Q8X_ISSUE(1, 4, 5, u + 1);
         _tile_stored(0, t[0], 64);
-        if (u > 0) q8x_add(t[1], s, u - 1, dx + 16 * (u - 1), tx ? tx + 16 * (u - 1) : NULL, rows, acc);
+        if (u > 0) Q8X_ADD(1, u - 1);
         if (u + 2 < groups) Q8X_ISSUE(0, 2, 3, u + 2);
         if (u + 1 < groups) _tile_stored(1, t[1], 64);
-        q8x_add(t[0], s, u, dx + 16 * u, tx ? tx + 16 * u : NULL, rows, acc);
+        Q8X_ADD(0, u);
     }
-    if (groups % 2 == 0) q8x_add(t[1], s, groups - 1, dx + 16 * (groups - 1), tx ? tx + 16 * (groups - 1) : NULL,
-                                 rows, acc);
+    if (groups % 2 == 0) Q8X_ADD(1, groups - 1);
+    if (PER_BLOCK == 32)
+        for (int i = 0; i < 16; i++) _mm512_store_ps(total[i], acc[i]);
 }
+#undef Q8X_ADD
 #undef Q8X_ISSUE
 
 /* x's per-group factors for rows m (groups of `group` values): dx[m / 16][u][m % 16] its d, tx the mins' factor
-   (Q8_1's s for Q4_1 / Q5_1, d times the run's sum for the K-quants); rows past m_total zero. */
+   (Q8_1's s for Q4_1 / Q5_1, the run's sum of q for the K-quants, whose d applies once a block); rows past m_total
+   zero. */
 static void q8x_row_factors(const q8_x_t *xs, int64_t m_total, int64_t m_pad, int64_t groups, int group,
                             int per_block, float *dx, float *tx) {
     for (int64_t m = 0; m < m_pad; m++)
@@ -162,7 +188,7 @@ static void q8x_row_factors(const q8_x_t *xs, int64_t m_total, int64_t m_pad, in
             dx[at] = live ? xs[m].d[first / per_block] : 0.f;
             if (!tx) continue;
             tx[at] = !live ? 0.f : per_block == 32 ? xs[m].s[first / 32]
-                                                    : xs[m].sum16_d[first / 16] + xs[m].sum16_d[first / 16 + 1];
+                                                    : (float)(xs[m].sum16[first / 16] + xs[m].sum16[first / 16 + 1]);
         }
 }
 
@@ -195,13 +221,15 @@ static int q8x_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, i
             const __mmask16 valid = (__mmask16)((1u << width) - 1);
             q8x_pack_any(w, n0, runs, &s);
             for (int64_t m0 = 0; m0 < m_pad; m0 += 16) {
-                __m512 acc[16];
+                _Alignas(64) float total[16][16];
                 const int rows = m_total - m0 < 16 ? (int)(m_total - m0) : 16;
-                q8x_strip_rows(xs[0].uq + m0 * stride, stride, groups, group, &s, dx + m0 * groups,
-                               tx ? tx + m0 * groups : NULL, rows, acc);
+                const uint8_t *uq = xs[0].uq + m0 * stride;
+                const float *dx_rows = dx + m0 * groups, *tx_rows = tx ? tx + m0 * groups : NULL;
+                if (per_block == 32) q8x_strip_rows(32, uq, stride, groups, group, &s, dx_rows, tx_rows, rows, total);
+                else q8x_strip_rows(256, uq, stride, groups, group, &s, dx_rows, tx_rows, rows, total);
                 const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
-                for (int64_t i = 0; i < 16 && m0 + i < m_total; i++)
-                    _mm512_mask_storeu_ps(out + (m0 + i) * w->n + n0, valid, _mm512_add_ps(acc[i], b));
+                for (int64_t i = 0; i < rows; i++)
+                    _mm512_mask_storeu_ps(out + (m0 + i) * w->n + n0, valid, _mm512_add_ps(_mm512_load_ps(total[i]), b));
             }
         }
         if (!failed) _tile_release();
