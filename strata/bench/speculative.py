@@ -86,7 +86,7 @@ def run_speculative(args: argparse.Namespace) -> int:
             elapsed, outputs = run_concurrent(llm.engine, prompts_by_level[level], level, params)
             produced = sum(len(o) for o in outputs)
             row = {"method": method, "concurrency": level, "output_tokens": produced, "elapsed_s": elapsed,
-                   "output_tokens_per_s": produced / elapsed}
+                   "output_tokens_per_s": produced / elapsed, "num_outputs": len(outputs)}
             if spec is not None:
                 stats = spec.stats.since(before)
                 row.update(acceptance_rate=stats.acceptance_rate, mean_acceptance_length=stats.mean_acceptance_length)
@@ -97,6 +97,7 @@ def run_speculative(args: argparse.Namespace) -> int:
             elif level in baseline:
                 row["speedup"] = row["output_tokens_per_s"] / baseline[level][0]
                 row["same_tokens_as_none"] = outputs == baseline[level][1]
+                row["same_outputs"] = sum(a == b for a, b in zip(outputs, baseline[level][1]))
             results.append(row)
             sys.stdout.write(_line(row))
         llm.shutdown()
@@ -116,4 +117,6 @@ def _line(row: dict[str, Any]) -> str:
         text += f", {row['draft_pass_ms']:.2f} ms per draft pass"
     if "speedup" in row:
         text += f", {row['speedup']:.2f}x none, same tokens: {row['same_tokens_as_none']}"
+        if not row["same_tokens_as_none"]:
+            text += f" ({row['same_outputs']} of {row['num_outputs']} outputs)"
     return text + "\n"

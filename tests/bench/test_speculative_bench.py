@@ -27,5 +27,13 @@ def test_a_run_reports_each_method_and_concurrency_with_the_same_tokens(llama_gq
                  "--max-model-len", "512", "--output-json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["method"], r["concurrency"]) for r in rows] == [("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2)]
-    assert all(r["same_tokens_as_none"] for r in rows if r["method"] == "ngram")
+    assert all(r["same_tokens_as_none"] and r["same_outputs"] == r["num_outputs"] == 2
+               for r in rows if r["method"] == "ngram")
     assert all(r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0 for r in rows)
+
+
+def test_a_line_whose_tokens_differ_from_none_says_how_many_outputs_agree():
+    from strata.bench.speculative import _line
+    row = {"method": "ngram", "concurrency": 1, "output_tokens": 90, "elapsed_s": 1.0, "output_tokens_per_s": 90.0,
+           "num_outputs": 8, "speedup": 1.5, "same_tokens_as_none": False, "same_outputs": 6}
+    assert _line(row).rstrip().endswith("1.50x none, same tokens: False (6 of 8 outputs)")
