@@ -97,7 +97,7 @@ def run_speculative(args: argparse.Namespace) -> int:
             elif level in baseline:
                 row["speedup"] = row["output_tokens_per_s"] / baseline[level][0]
                 row["same_tokens_as_none"] = outputs == baseline[level][1]
-                row["same_outputs"] = sum(a == b for a, b in zip(outputs, baseline[level][1]))
+                row["same_outputs"] = sum(a == b for a, b in zip(outputs, baseline[level][1], strict=True))
             results.append(row)
             sys.stdout.write(_line(row))
         llm.shutdown()
