@@ -177,15 +177,15 @@ def test_int8_without_the_c_kernels_is_refused_not_run_in_float(monkeypatch):
         _product(torch.ones(1, 32), gp.random_blocks(gp.Q8_0, 2, 32), gp.Q8_0)
 
 
-@pytest.mark.parametrize("qtype", (gp.Q4_1, gp.Q8_0, gp.Q4_K, gp.Q6_K), ids=NAMES.get)
-def test_avx512_vnni_gives_each_row_the_same_bits_alone_or_among_up_to_7_rows(qtype, tmp_path, monkeypatch):
+def test_avx512_vnni_gives_each_row_the_same_bits_alone_or_among_up_to_7_rows(tmp_path, monkeypatch):
     """A decode row and a verification step's rows (2-7 of them, below the AMX tiles' 8) take one arithmetic: each
     row's product is the same float32, bit for bit, whatever rows share the pass (a greedy verification then sees the
-    logits decoding would)."""
-    k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160
-    data = gp.random_blocks(qtype, 19, k, 7)
-    x = torch.randn(7, k, generator=torch.Generator().manual_seed(3))
+    logits decoding would). One build for every kind."""
     with forced_build("avx512_vnni", tmp_path, monkeypatch):
-        alone = torch.cat([_product(x[i:i + 1], data, qtype) for i in range(7)])
-        for m in (2, 3, 4, 5, 7):
-            assert torch.equal(_product(x[:m], data, qtype), alone[:m]), f"{NAMES[qtype]}, {m} rows"
+        for qtype in (gp.Q4_1, gp.Q5_0, gp.Q8_0, gp.Q4_K, gp.Q6_K):
+            k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160
+            data = gp.random_blocks(qtype, 19, k, 7)
+            x = torch.randn(7, k, generator=torch.Generator().manual_seed(3))
+            alone = torch.cat([_product(x[i:i + 1], data, qtype) for i in range(7)])
+            for m in (2, 3, 4, 5, 7):
+                assert torch.equal(_product(x[:m], data, qtype), alone[:m]), f"{NAMES[qtype]}, {m} rows"

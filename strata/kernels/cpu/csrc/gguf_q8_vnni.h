@@ -104,9 +104,14 @@ static inline __attribute__((always_inline)) void q8v_legacy_pair_rows(const int
     const uint8_t *next = block + gguf_block_bytes(KIND);
     const __m512i zero = _mm512_setzero_si512(), w = q8v_legacy_values(KIND, block);
     const __m512i start = with_min ? zero : q8v_start(w);
-    const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half_at(block)), _mm512_set1_ps(half_at(next)));
-    const __m512 m = with_min ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half_at(block + 2)),
-                                                     _mm512_set1_ps(half_at(next + 2)))
+    /* both blocks' fp16 d (and m) in one conversion: halves d0 m0 d1 m1, each spread over its block's 8 lanes */
+    uint32_t first, second;
+    memcpy(&first, block, sizeof first);
+    memcpy(&second, next, sizeof second);
+    const __m512 halves = _mm512_cvtph_ps(_mm256_setr_epi32((int)first, (int)second, 0, 0, 0, 0, 0, 0));
+    const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), halves);
+    const __m512 m = with_min ? _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
+                                                      halves)
                               : _mm512_setzero_ps();
     for (int r = 0; r < MC; r++) {
         const __m512i dot =
