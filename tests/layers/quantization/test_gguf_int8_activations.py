@@ -189,3 +189,14 @@ def test_avx512_vnni_gives_each_row_the_same_bits_alone_or_among_up_to_7_rows(tm
             alone = torch.cat([_product(x[i:i + 1], data, qtype) for i in range(7)])
             for m in (2, 3, 4, 5, 7):
                 assert torch.equal(_product(x[:m], data, qtype), alone[:m]), f"{NAMES[qtype]}, {m} rows"
+
+
+def test_a_nan_in_x_is_read_without_reading_past_its_block():
+    """Q8_K's scale comes from the first value of largest magnitude; a NaN among the values (or all of them) must not
+    send that search past the block."""
+    data = gp.random_blocks(gp.Q4_K, 3, 512)
+    x = torch.randn(2, 512)
+    x[0, 7] = float("nan")
+    x[1, :256] = float("nan")
+    y = _product(x, data, gp.Q4_K)
+    assert y.shape == (2, 3)

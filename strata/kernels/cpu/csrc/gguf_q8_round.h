@@ -135,7 +135,7 @@ static void q8_round_row_256(const float *x, int64_t k, q8_x_t *p) {
             continue;
         }
         int j = 0;
-        while (fabsf(v[j]) != amax) j++;
+        while (j < QK_K - 1 && fabsf(v[j]) != amax) j++; /* bounded: a NaN amax matches nothing */
         const float iscale = -127.f / v[j];
         for (int i = 0; i < QK_K / 32; i++) q8_round32(v + 32 * i, iscale, 1, p->q + QK_K * b + 32 * i,
                                                        p->lanes + QK_K / 4 * b + 8 * i);
