@@ -145,7 +145,6 @@ def expand_image_pads(token_ids: Sequence[int], image_token_id: int, counts: Seq
     return out
 
 
-
 def mrope_prompt_positions(runs: Sequence[tuple[int, int]], grids: Sequence[tuple[int, int, int]], merge: int
                            ) -> tuple[np.ndarray, int]:
     """([3, end of the last image] positions, delta): text tokens count on from the position after the previous

@@ -58,11 +58,6 @@ static int amx_reads_kind(int kind) {
     return kind >= 0 && kind < KIND_GGUF + 32 && amx_reads(&probe);
 }
 
-/* Kinds whose values are q * scale + offset with an offset that is not a whole multiple of the scale: the group's
-   sum of x times the offset joins each output. */
-static inline int has_offsets(int kind) {
-    return kind == KIND_Q4_1 || kind == KIND_Q5_1 || kind == KIND_Q4_K || kind == KIND_Q5_K;
-}
 
 /* Kinds with two scales a run (one per 16 values): each half of a run is a tile product of its own. */
 static inline int halves_of(int kind) { return kind == KIND_Q6_K ? 2 : 1; }
@@ -255,8 +250,8 @@ static int amx_gemm(const float *x, int64_t m_total, const weights_t *w, const f
     const int64_t runs = (w->k + RUN - 1) / RUN, blocks = (m_total + 15) / 16;
     const int64_t tasks = (w->n + per_task - 1) / per_task;
     uint16_t *pieces = aligned_alloc(64, sizeof(uint16_t) * (size_t)(blocks * runs * PIECES * TILE));
-    float *sums = has_offsets(w->kind) ? malloc(sizeof(float) * (size_t)(blocks * 16 * runs)) : NULL;
-    if (!pieces || (has_offsets(w->kind) && !sums)) {
+    float *sums = gguf_has_offsets(w->kind) ? malloc(sizeof(float) * (size_t)(blocks * 16 * runs)) : NULL;
+    if (!pieces || (gguf_has_offsets(w->kind) && !sums)) {
         free(pieces), free(sums);
         return -1;
     }

@@ -16,11 +16,16 @@ enum { KIND_GGUF_Q8 = 64 }; /* + ggml's type: that GGUF kind, products with x ro
 
 #define Q8_ROWS_PER_PASS 64 /* rows of x per pass over a task's weight rows (their rounded x stays in L2) */
 
+/* M(kind) for each GGUF kind with int8-activation kernels: every dispatch over them lists them here, once. */
+#define Q8_EACH_KIND(M) \
+    M(KIND_Q4_0) M(KIND_Q4_1) M(KIND_Q5_0) M(KIND_Q5_1) M(KIND_Q8_0) M(KIND_Q4_K) M(KIND_Q5_K) M(KIND_Q6_K)
+
 /* Whether a GGUF kind has int8-activation kernels. */
 static inline int q8_has_kernel(int kind) {
     switch (kind) {
-    case KIND_Q4_0: case KIND_Q4_1: case KIND_Q5_0: case KIND_Q5_1: case KIND_Q8_0:
-    case KIND_Q4_K: case KIND_Q5_K: case KIND_Q6_K: return 1;
+#define Q8_CASE(K) case K:
+    Q8_EACH_KIND(Q8_CASE) return 1;
+#undef Q8_CASE
     default: return 0;
     }
 }

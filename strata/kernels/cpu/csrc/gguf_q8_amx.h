@@ -1,9 +1,9 @@
 /* GGUF products with x rounded to 8 bits on AMX's int8 tiles (tdpbusd; Sapphire Rapids and later), for prefill-sized
    batches: x + 128 (unsigned) against the weights' signed values (q less the kind's whole offset: Q4_0's 8, Q5_0's
    16, Q6_K's 32), 16 rows of x by 16 outputs by one scale group of K (32 values; Q6_K's 16) a tile product, exact
-   int32 sums. Each product's sums, less 128 times the weights' own sums, take the group's scales in float32 with
-   AVX-512 (the weight's d * scale times x's d; the mins' offset times x's s or sums times d) while the next group's
-   tile product runs. Included by gguf_q8.h. */
+   int32 sums that start from -128 times the weights' own. They take the group's scales in float32 with AVX-512 (the
+   weight's d * scale times x's d; the mins' offset times x's s, or for the K-quants times x's sum, with x's d applied
+   once a block) while the next group's tile product runs. Included by gguf_q8.h. */
 #ifndef STRATA_GGUF_Q8_AMX_H
 #define STRATA_GGUF_Q8_AMX_H
 #include "amx_tiles.h"
@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) void q8x_pack(const int KIND, const
     const int group = KIND == KIND_Q6_K ? 16 : 32, per64 = 64 / group;
     const __m512i one = _mm512_set1_epi8(1);
     for (int64_t i = 0; i < (runs + 1) / 2; i++) {
-        const int lone = 2 * i + 1 == runs; /* runs is odd: run 2i is the row's last (legacy kinds only) */
+        const int lone = gguf_block_values(KIND) == 32 && 2 * i + 1 == runs; /* run 2i is a legacy row's last */
         __m512i rows[16];
         for (int j = 0; j < 16; j++) {
             float scale[4] = {0.f, 0.f, 0.f, 0.f}, offset[4] = {0.f, 0.f, 0.f, 0.f};
@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void q8x_pack(const int KIND, const
                 rows[j] = q8x_values(KIND, w->data + (n0 + j) * w->row_bytes, i, scale, offset);
             } else if (n0 + j < w->n) { /* the lone block as the second of a pair whose first is zeros */
                 const int64_t bytes = gguf_block_bytes(KIND);
-                uint8_t pair[2 * 34] = {0};
+                uint8_t pair[2 * 34] = {0}; /* 34: the largest legacy block (Q8_0) */
                 memcpy(pair + bytes, w->data + (n0 + j) * w->row_bytes + 2 * i * bytes, (size_t)bytes);
                 rows[j] = q8x_values(KIND, pair, 0, scale, offset);
                 rows[j] = _mm512_shuffle_i64x2(rows[j], rows[j], _MM_SHUFFLE(3, 2, 3, 2));
@@ -89,8 +89,7 @@ static inline __attribute__((always_inline)) void q8x_pack(const int KIND, const
 static void q8x_pack_any(const weights_t *w, int64_t n0, int64_t runs, q8x_strip_t *s) {
     switch (w->kind) { /* constant kinds, so each run's extraction inlines */
 #define Q8X_PACK(K) case K: q8x_pack(K, w, n0, runs, s); break;
-    Q8X_PACK(KIND_Q4_0) Q8X_PACK(KIND_Q4_1) Q8X_PACK(KIND_Q5_0) Q8X_PACK(KIND_Q5_1) Q8X_PACK(KIND_Q8_0)
-    Q8X_PACK(KIND_Q4_K) Q8X_PACK(KIND_Q5_K) Q8X_PACK(KIND_Q6_K)
+    Q8_EACH_KIND(Q8X_PACK)
 #undef Q8X_PACK
     }
 }
@@ -197,9 +196,9 @@ static void q8x_row_factors(const q8_x_t *xs, int64_t m_total, int64_t m_pad, in
    Returns 0, or -1 when scratch memory ran out. */
 static int q8x_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, int64_t stride, const float *bias,
                         float *out, int num_threads) {
-    const int group = w->kind == KIND_Q6_K ? 16 : 32, per_block = (int)(gguf_block_values(w->kind) == 32 ? 32 : 256);
+    const int group = w->kind == KIND_Q6_K ? 16 : 32, per_block = (int)gguf_block_values(w->kind);
     const int64_t runs = w->k / 32, groups = w->k / group, m_pad = (m_total + 15) / 16 * 16;
-    const int offsets = w->kind == KIND_Q4_1 || w->kind == KIND_Q5_1 || w->kind == KIND_Q4_K || w->kind == KIND_Q5_K;
+    const int offsets = gguf_has_offsets(w->kind);
     float *dx = aligned_alloc(64, sizeof(float) * (size_t)(m_pad * groups * (offsets ? 2 : 1)));
     if (!dx) return -1;
     float *tx = offsets ? dx + m_pad * groups : NULL;

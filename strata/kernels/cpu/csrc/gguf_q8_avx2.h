@@ -201,8 +201,7 @@ static void q8_rows_avx2(int kind, const uint8_t *row, int64_t blocks, const q8_
         else q8a_rows(KIND, 1, row, blocks, x, y);                                                                 \
         return;
     switch (kind) { /* constant kinds and row counts, so each kernel inlines */
-    Q8A_KIND(KIND_Q4_0) Q8A_KIND(KIND_Q4_1) Q8A_KIND(KIND_Q5_0) Q8A_KIND(KIND_Q5_1) Q8A_KIND(KIND_Q8_0)
-    Q8A_KIND(KIND_Q4_K) Q8A_KIND(KIND_Q5_K) Q8A_KIND(KIND_Q6_K)
+    Q8_EACH_KIND(Q8A_KIND)
     default: return;
     }
 #undef Q8A_KIND

@@ -143,19 +143,21 @@ static void q8_round_row_256(const float *x, int64_t k, q8_x_t *p) {
     }
 }
 
-/* x's k values rounded into p's arrays (q8_at's layout), blocks of per_block (32 or 256). */
+/* x's k values rounded into p's arrays (q8_at's layout), blocks of per_block (32 or 256). uq, d_lanes, s_lanes and
+   sum16_d only where the AVX-512 VNNI (and AMX) kernels read them. */
 static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
     if (per_block == 32) q8_round_row_32(x, k, p);
     else q8_round_row_256(x, k, p);
-    for (int64_t i = 0; i < k; i++) p->uq[i] = (uint8_t)(p->q[i] + 128);
-    for (int64_t i = 0; i < k / 16; i++) {
+    for (int64_t i = 0; i < k / 16; i++)
         p->sum16[i] = p->lanes[4 * i] + p->lanes[4 * i + 1] + p->lanes[4 * i + 2] + p->lanes[4 * i + 3];
-        p->sum16_d[i] = (float)p->sum16[i] * p->d[16 * i / per_block];
-    }
+#if STRATA_AVX512VNNI
+    for (int64_t i = 0; i < k; i++) p->uq[i] = (uint8_t)(p->q[i] + 128);
+    for (int64_t i = 0; i < k / 16; i++) p->sum16_d[i] = (float)p->sum16[i] * p->d[16 * i / per_block];
     for (int64_t i = 0; i < k / 4; i++) {
         p->d_lanes[i] = p->d[4 * i / per_block];
         p->s_lanes[i] = per_block == 32 ? p->s[i / 8] * 0.125f : 0.f;
     }
+#endif
 }
 
 /* Bytes of one rounded row of x (q8_x_t's arrays, 64-byte aligned): what q8_at lays out. */

@@ -214,8 +214,7 @@ static void q8_rows_vnni(int kind, const uint8_t *row, int64_t blocks, const q8_
         else q8v_rows(KIND, 1, row, blocks, x, y);                                                                 \
         return;
     switch (kind) { /* constant kinds and row counts, so each kernel inlines */
-    Q8V_KIND(KIND_Q4_0) Q8V_KIND(KIND_Q4_1) Q8V_KIND(KIND_Q5_0) Q8V_KIND(KIND_Q5_1) Q8V_KIND(KIND_Q8_0)
-    Q8V_KIND(KIND_Q4_K) Q8V_KIND(KIND_Q5_K) Q8V_KIND(KIND_Q6_K)
+    Q8_EACH_KIND(Q8V_KIND)
     default: return;
     }
 #undef Q8V_KIND
