@@ -12,6 +12,8 @@ from strata import LLM, SamplingParams
 from strata.config import EngineConfig
 from strata.config.engine_args import EngineArgs
 from strata.errors import ConfigError
+from strata.kernels.cpu import matmul as cpu_matmul
+from strata.layers.embedding import ParallelLMHead
 from strata.layers.quantization import gguf_quants
 from strata.layers.quantization.gguf_method import GGUFMethod
 
@@ -28,13 +30,20 @@ def test_int8_reaches_every_gguf_layer_and_its_products_round_x(gguf_tied_q4_1, 
         assert any("int8 activations" in r.getMessage() for r in caplog.records)
         layers = _gguf_layers(llm)
         assert layers and all(m.quant.activations == "int8" for m in layers)
-        layer = next(m for m in layers if hasattr(m, "in_range"))
-        [w] = layer.quant.weights
-        x = torch.randn(3, layer.quant.k, generator=torch.Generator().manual_seed(0))
-        y = layer.quant.apply(layer, x, None)
-        int8 = gguf_quants.gguf_linear(x, w.data, w.ggml_type, layer.quant.k, activations="int8")
-        exact = gguf_quants.gguf_linear(x, w.data, w.ggml_type, layer.quant.k)
-        assert torch.equal(y, int8) and not torch.equal(y, exact)
+        # the tied head: its table stays in blocks for lookups; products read it (or, where the build has the tile
+        # layout, a tiled copy of it: gguf_q8_tiled.h) with x rounded to 8 bits
+        head = next(m for m in layers if isinstance(m, ParallelLMHead))
+        [table], [w] = head.quant.table, head.quant.weights
+        x = torch.randn(3, head.quant.k, generator=torch.Generator().manual_seed(0))
+        y = head.quant.apply(head, x, None)
+        int8 = gguf_quants.gguf_linear(x, table.data, table.ggml_type, head.quant.k, activations="int8")
+        exact = gguf_quants.gguf_linear(x, table.data, table.ggml_type, head.quant.k)
+        torch.testing.assert_close(y, int8, rtol=1e-5, atol=1e-5)  # the same integer sums, scaled in another order
+        assert (y - exact).abs().max() > 100 * (y - int8).abs().max()
+        assert (w.tiled_rows > 0) == (cpu_matmul.tile_for_int8(table.data, gguf_quants.kernel_kind(table.ggml_type),
+                                                               head.quant.k) is not None)
+        layer = next(m for m in layers if hasattr(m, "in_range") and not isinstance(m, ParallelLMHead))
+        assert all(bool(p.tiled_rows) == bool(w.tiled_rows) for p in layer.quant.weights)  # Q4_1 has the layout too
         params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
         fused = llm.generate(["hello"], params)[0].outputs[0]
         runner = llm.engine.executor.runner

@@ -1,5 +1,6 @@
-"""Microseconds per GGUF product with float activations beside x rounded to 8 bits (quantized_activations=int8), on
-this machine's native build and its forced AVX2 build (`python -m strata.bench.int8_products` prints them)."""
+"""Microseconds per GGUF product with float activations beside x rounded to 8 bits (quantized_activations=int8; from
+the GGUF blocks, and from the tile layout a loaded model's layers hold where the build has it), on this machine's
+native build and its forced AVX2 build (`python -m strata.bench.int8_products` prints them)."""
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,16 @@ def time_products(qtype_name: str, n: int, k: int, rows: tuple[int, ...], repeat
     data.view(-1, info.bytes_per_block)[:, :4] = torch.tensor([0, 0x20, 0, 0x20], dtype=torch.uint8)
     best: dict[str, float | str] = {}
     xs = {m: torch.randn(m, k, generator=generator) for m in rows}
+    tiles = cpu_matmul.tile_for_int8(data, gguf_quants.kernel_kind(qtype), k)  # None: no tile layout here
+    products = {"float": lambda x: gguf_quants.gguf_linear(x, data, qtype, k),
+                "int8": lambda x: gguf_quants.gguf_linear(x, data, qtype, k, activations="int8")}
+    if tiles is not None:  # what a loaded model's layers run with int8 activations
+        products["int8-tiled"] = lambda x: gguf_quants.tiled_linear(x, tiles, qtype, k, n)
     for _ in range(repeats):
         for m, x in xs.items():
-            for path in ("float", "int8"):
+            for path, product in products.items():
                 start = time.perf_counter()
-                gguf_quants.gguf_linear(x, data, qtype, k, activations=path)
+                product(x)
                 elapsed = (time.perf_counter() - start) * 1e6
                 key = f"{path} {m}"
                 best[key] = min(float(best.get(key, float("inf"))), elapsed)

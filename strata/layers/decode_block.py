@@ -25,7 +25,6 @@ from strata.layers.attention import Attention, AttentionMetadata
 from strata.layers.decoder_layer import DecoderLayerSpec, run_feed_forward
 from strata.layers.linear import PackableLinear, small_batch_rows
 from strata.layers.norm import GemmaRMSNorm, RMSNorm
-from strata.layers.quantization import gguf_quants
 from strata.layers.quantization.gguf_method import GGUFMethod
 
 # KV caches the C attention reads from float32 rows: float32, or bfloat16 (--kv-cache-dtype), written rounded.
@@ -40,7 +39,7 @@ def _blocks_linear(method: GGUFMethod, bias: torch.Tensor | None, keep: list) ->
     """A layer kept in ggml blocks: one weight, or pieces of several types whose outputs lie side by side."""
     int8 = method.activations == "int8"  # x rounded to 8 bits: the small-batch kernels' int8 kinds, at any rows
     pieces = [Linear(n=w.rows, k=method.k, weight=w.data.data_ptr(), row_bytes=w.data.stride(0),
-                      kind=gguf_quants.kernel_kind(w.ggml_type, method.activations),
+                      kind=w.kernel_kind(method.activations),
                       gemm_rows=0 if int8 else _gemm_rows(method.small_rows[w.ggml_type]))
               for w in method._ready()]
     keep.extend(w.data for w in method._ready())

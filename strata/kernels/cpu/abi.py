@@ -25,6 +25,8 @@ KIND_GGUF_F32, KIND_F16, KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0 =
 KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_GGUF_BF16 = (KIND_GGUF + t for t in (12, 13, 14, 30))
 # ... and the same blocks times x rounded to 8 bits as llama.cpp rounds it (gguf_q8.h): KIND_GGUF_Q8 + ggml's type.
 KIND_GGUF_Q8 = 64
+# ... and with the weight laid out once in the int8 kernels' tiles (gguf_q8_tiled.h): KIND_GGUF_Q8T + ggml's type.
+KIND_GGUF_Q8T = 96
 # The large-batch GEMM's engines (set_gemm_engine in weight_gemm.c).
 GEMM_FMA, GEMM_AMX = 0, 1
 # Bytes before the first slot of a shared-memory segment: a flag line per rank (shm_collectives.c).
@@ -111,7 +113,8 @@ _WEIGHT_KINDS = {"KIND_F32": KIND_F32, "KIND_BF16": KIND_BF16, "KIND_INT4": KIND
                  "KIND_Q8_0": KIND_Q8_0, "KIND_Q4_K": KIND_Q4_K, "KIND_Q5_K": KIND_Q5_K, "KIND_Q6_K": KIND_Q6_K,
                  "KIND_GGUF_BF16": KIND_GGUF_BF16}
 SHARED: dict[str, Shared] = {
-    "weight_only": Shared({**_WEIGHT_KINDS, "KIND_MXFP4": KIND_MXFP4, "KIND_GGUF_Q8": KIND_GGUF_Q8}),
+    "weight_only": Shared({**_WEIGHT_KINDS, "KIND_MXFP4": KIND_MXFP4, "KIND_GGUF_Q8": KIND_GGUF_Q8,
+                            "KIND_GGUF_Q8T": KIND_GGUF_Q8T}),
     "weight_gemm": Shared({**_WEIGHT_KINDS, "GEMM_FMA": GEMM_FMA, "GEMM_AMX": GEMM_AMX}),
     "shm_collectives": Shared({"HEADER_BYTES": SHM_HEADER_BYTES}),
     "decode_layer": Shared(structures=(Kernels, Linear, AttentionBlock, MlpBlock, KeyRanges, Step, Model)),

@@ -24,6 +24,8 @@ def weight_only_library() -> ctypes.CDLL | None:
                                       "int8_activations_build": ([], ctypes.c_char_p),
                                       "set_fixed_point_rows": ([I32, I64], I32),
                                       "q8_rounded_row_bytes": ([I64, I32], I64),
+                                      "q8_tiled_strip_bytes": ([I32, I64], I64),
+                                      "q8_tile_weight": ([PTR, I64, I64, I64, I32, PTR, I32], I32),
                                       "q8_round_rows": ([PTR, I64, I64, I32, PTR, I32], I32),
                                       "q8_rounded_matmul": ([PTR, I64, PTR, I64, PTR, I64, I32, PTR, PTR, PTR, I64,
                                                              I32], I32),
@@ -132,6 +134,23 @@ def round_rows(x: torch.Tensor, per_block: int) -> torch.Tensor:
     out = torch.empty(x.shape[0], stride, dtype=torch.uint8)
     _check_status(lib.q8_round_rows(x.data_ptr(), x.shape[0], x.shape[1], per_block, out.data_ptr(),
                                     torch.get_num_threads()), -1, x.shape[1])
+    return out
+
+
+def tile_for_int8(weight: torch.Tensor, kind: int, k: int) -> torch.Tensor | None:
+    """A GGUF weight uint8 [N, row bytes] of `kind` (abi.KIND_GGUF + ggml's type) laid out once in the int8 kernels'
+    tiles (gguf_q8_tiled.h): uint8 [ceil(N / 16), strip bytes], for `matmul` as abi.KIND_GGUF_Q8T + ggml's type.
+    None where this build has no kernels for that layout (they need AVX-512 VNNI) or the kind has none."""
+    lib = weight_only_library()
+    if lib is None:
+        return None
+    strip_bytes = lib.q8_tiled_strip_bytes(kind, k)
+    if strip_bytes < 0:
+        return None
+    n = weight.shape[0]
+    out = torch.empty((n + 15) // 16, strip_bytes, dtype=torch.uint8)
+    _check_status(lib.q8_tile_weight(weight.data_ptr(), weight.stride(0) * weight.element_size(), n, k, kind,
+                                     out.data_ptr(), torch.get_num_threads()), kind, k)
     return out
 
 

@@ -14,7 +14,7 @@ from strata.config.quant_config import GGUFQuantConfig
 from strata.gguf import types
 from strata.gguf.weights import GGUFTensor
 from strata.host_memory import huge_page_zeros
-from strata.kernels.cpu import cpu_kernels_apply, crossovers
+from strata.kernels.cpu import abi, cpu_kernels_apply, crossovers
 from strata.kernels.cpu import matmul as cpu_matmul
 from strata.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from strata.layers.linear import PackableLinear
@@ -25,15 +25,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """Rows [offset, offset + rows) of a layer's outputs as ggml blocks: data uint8 [rows, row_bytes]."""
+    """Rows [offset, offset + rows) of a layer's outputs as ggml blocks: data uint8 [rows, row_bytes]; or, with
+    `tiled_rows`, those rows laid out once for the int8 kernels' tiles: data uint8 [ceil(rows / 16), strip bytes]."""
 
     offset: int
     data: torch.Tensor
     ggml_type: int
+    tiled_rows: int = 0
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        return self.tiled_rows or self.data.shape[0]
+
+    def kernel_kind(self, activations: str) -> int:
+        """The C kernels' kind for this weight's products (abi.KIND_GGUF_Q8T + ggml's type when tiled)."""
+        if self.tiled_rows:
+            return abi.KIND_GGUF_Q8T + self.ggml_type
+        return gguf_quants.kernel_kind(self.ggml_type, activations)
 
 
 class GGUFMethod:
@@ -45,8 +53,11 @@ class GGUFMethod:
         self.name = name
         self.activations = activations  # "int8": x rounded to Q8_0 / Q8_K blocks per product (gguf_q8.h)
         self.n, self.k = _local_shape(layer)
+        self.is_table = _is_table(layer)  # an embedding's table: looked up by row, so kept in its blocks
+        self.tied_head = False  # the table is also the LM head's weight (quantize_gguf says)
         self.loaded: list[BlockWeight] = []
-        self.weights: list[BlockWeight] | None = None
+        self.weights: list[BlockWeight] | None = None  # what products read
+        self.table: list[BlockWeight] | None = None  # a table's blocks, for lookups
         self.small_rows: dict[int, int] = {}  # ggml type -> rows up to which it takes the small-batch kernel
 
     def load(self, layer: nn.Module, tensor: object, shard_id: object = None) -> None:
@@ -80,9 +91,15 @@ class GGUFMethod:
             if sum(p.rows for p in pieces) != self.n:
                 raise ValueError(f"{self.name}: the pieces of a fused layer stored in several types do not cover "
                                  f"its {self.n} rows")
+        self.table = pieces if self.is_table else None
+        if self.activations == "int8" and (not self.is_table or self.tied_head):  # a tied head: a second copy
+            pieces = [_tiled(p, self.k) for p in pieces]
         self.weights, self.loaded = pieces, []
         for p in pieces:
             rows = crossovers.SMALL_BATCH_GGUF
+            if p.tiled_rows:  # the int8 kernels take every row count
+                self.small_rows[p.ggml_type] = rows
+                continue
             if cpu_kernels_apply(p.data):  # measured once (and cached) per type and shape
                 operands = {"weight": p.data, "kind": gguf_quants.kernel_kind(p.ggml_type), "out_features": p.rows}
                 rows = crossovers.choose(operands, self.k)
@@ -91,16 +108,20 @@ class GGUFMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weights = self._ready()
         if len(weights) == 1:
-            w = weights[0]
-            return gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, bias, self.small_rows[w.ggml_type],
-                                           self.activations)
-        out = torch.cat([gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, None, self.small_rows[w.ggml_type],
-                                                 self.activations) for w in weights], dim=-1)
+            return self._product(weights[0], x, bias)
+        out = torch.cat([self._product(w, x, None) for w in weights], dim=-1)
         return out if bias is None else out + bias.to(out.dtype)
+
+    def _product(self, w: BlockWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if w.tiled_rows:
+            return gguf_quants.tiled_linear(x, w.data, w.ggml_type, self.k, w.rows, bias)
+        return gguf_quants.gguf_linear(x, w.data, w.ggml_type, self.k, bias, self.small_rows[w.ggml_type],
+                                       self.activations)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (local to this rank's vocabulary slice) of an embedding table, float32."""
-        [w] = self._ready()
+        self._ready()
+        [w] = self.table
         rows = gguf_quants.embedding_rows(w.data, w.ggml_type, self.k, ids.reshape(-1))
         return rows.view(*ids.shape, self.k)
 
@@ -111,7 +132,24 @@ class GGUFMethod:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.data.nbytes for p in (self.weights or self.loaded))
+        held = list(self.weights or self.loaded)
+        if self.table is not None and self.table is not self.weights:  # a tied head's second copy beside it
+            held += self.table
+        return sum(p.data.nbytes for p in held)
+
+
+def _tiled(p: BlockWeight, k: int) -> BlockWeight:
+    """A piece in the int8 kernels' tile layout (made once, its blocks then freed), or as it is where this build
+    has no kernels for that layout (AVX-512 VNNI builds have) or its type none."""
+    if not cpu_kernels_apply(p.data) or not cpu_matmul.available():
+        return p
+    tiles = cpu_matmul.tile_for_int8(p.data, gguf_quants.kernel_kind(p.ggml_type), k)
+    return p if tiles is None else BlockWeight(p.offset, tiles, p.ggml_type, tiled_rows=p.rows)
+
+
+def _is_table(layer: nn.Module) -> bool:
+    """An embedding table (looked up row by row, so kept in its blocks), not a product's weight."""
+    return isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
 
 
 def _local_shape(layer: nn.Module) -> tuple[int, int]:
@@ -160,7 +198,7 @@ def quantize_gguf(model: nn.Module, quant: GGUFQuantConfig, checkpoint_modules) 
         if is_table:
             for head in model.modules():
                 if isinstance(head, ParallelLMHead) and head.tied:
-                    head.weight, head.quant = module.weight, method
+                    head.weight, head.quant, method.tied_head = module.weight, method, True
     logger.info("GGUF checkpoint: %d layers kept in ggml blocks, %d in float32", counts["in blocks"],
                 counts["float"])
     if quant.activations == "int8":

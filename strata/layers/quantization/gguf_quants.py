@@ -187,6 +187,16 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, k: int, bias: t
     return cpu_matmul.like_rows(y, x)
 
 
+def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, qtype: int, k: int, n: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] times a GGUF weight of n outputs laid out for the int8 kernels' tiles (kernels.cpu.matmul's
+    tile_for_int8), x rounded to Q8_0 blocks as with activations="int8": [..., n] in x's dtype."""
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the GGUF weight expects {k}")
+    y = cpu_matmul.matmul(cpu_matmul.float_rows(x), tiles, abi.KIND_GGUF_Q8T + qtype, n, bias=bias)
+    return cpu_matmul.like_rows(y, x)
+
+
 def embedding_rows(data: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a GGUF table uint8 [V, row_bytes] as float32 [*ids.shape, k], each dequantized from its own
     blocks (no dequantized table): a C function on CPU, torch elsewhere."""

@@ -1,7 +1,8 @@
 """GGUF products with x rounded to 8 bits as llama.cpp rounds it (quantized_activations=int8, csrc/gguf_q8*.h): each
 kernel against a float64 reference of the same rounded x (numpy, written from ggml-quants.c's quantize_row_q8_0_ref /
 q8_1_ref / q8_K_ref), the weights dequantized by gguf-py, on the native, AVX2 (vpmaddubsw), AVX2 with AVX-VNNI,
-AVX-512 VNNI and portable builds; ties rounded as llama.cpp rounds them; refusals."""
+AVX-512 VNNI and portable builds, from the GGUF blocks and from the tile layout loaded layers hold (gguf_q8_tiled.h);
+ties rounded as llama.cpp rounds them; refusals."""
 from __future__ import annotations
 
 import gguf_packing as gp
@@ -11,11 +12,13 @@ import torch
 from c_builds import forced_build
 
 from strata.errors import ConfigError
+from strata.kernels.cpu import matmul as cpu_matmul
 from strata.layers.quantization import gguf_quants
 
 INT8_TYPES = (gp.Q4_0, gp.Q4_1, gp.Q5_0, gp.Q5_1, gp.Q8_0, gp.Q4_K, gp.Q5_K, gp.Q6_K)
 NAMES = {t: gguf_quants.TYPES[t].name for t in INT8_TYPES}
 _WITH_MIN = (gp.Q4_1, gp.Q5_1)
+TILED_TYPES = (gp.Q4_0, gp.Q4_1, gp.Q5_0, gp.Q5_1, gp.Q8_0)  # the kinds with a tile layout (AVX-512 VNNI builds)
 
 
 def _round_q8_32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -73,15 +76,27 @@ def _product(x: torch.Tensor, data: np.ndarray, qtype: int, bias: torch.Tensor |
     return gguf_quants.gguf_linear(x, torch.from_numpy(data), qtype, x.shape[1], bias, activations="int8")
 
 
-def _check(qtype: int, m: int, k: int, seed: int, what: str, bias: bool = False) -> None:
+def _tiles(data: np.ndarray, qtype: int, k: int) -> torch.Tensor | None:
+    return cpu_matmul.tile_for_int8(torch.from_numpy(data), gguf_quants.kernel_kind(qtype), k)
+
+
+def _tiled_product(x: torch.Tensor, data: np.ndarray, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product with the weight laid out as a loaded layer holds it (the build must have the layout)."""
+    tiles = _tiles(data, qtype, x.shape[1])
+    assert tiles is not None, f"no tile layout for {NAMES[qtype]} in an AVX-512 VNNI build"
+    return gguf_quants.tiled_linear(x, tiles, qtype, x.shape[1], data.shape[0], bias)
+
+
+def _check(qtype: int, m: int, k: int, seed: int, what: str, bias: bool = False, product=_product) -> None:
     data = gp.random_blocks(qtype, 21, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) + (2.0 if m % 2 else 0.0)
     b = torch.randn(21, generator=torch.Generator().manual_seed(seed + 1)) if bias else None
-    _compare(x, data, qtype, what, b)
+    _compare(x, data, qtype, what, b, product)
 
 
-def _compare(x: torch.Tensor, data: np.ndarray, qtype: int, what: str, b: torch.Tensor | None = None) -> None:
-    y = _product(x, data, qtype, b)
+def _compare(x: torch.Tensor, data: np.ndarray, qtype: int, what: str, b: torch.Tensor | None = None,
+             product=_product) -> None:
+    y = product(x, data, qtype, b)
     expected, size = reference(x.numpy(), data, qtype)
     if b is not None:
         expected = expected + b.double().numpy()
@@ -105,14 +120,19 @@ def test_int8_product_equals_float64_of_llama_cpp_rounded_x_for_1_to_13_and_70_r
 def test_each_c_build_equals_the_rounded_reference(build, tmp_path, monkeypatch):
     """AVX2 runs the vpmaddubsw kernels (gguf_q8_avx2.h), AVX2 with AVX-VNNI their 256-bit vpdpbusd form, AVX-512
     VNNI the 512-bit kernels; odd block counts (a legacy row's last block alone, a K-quant row's odd block), several
-    rows of x, and a prefill-sized batch past one pass of 64 rows."""
+    rows of x, and a prefill-sized batch past one pass of 64 rows. The AVX-512 VNNI builds also read the tile layout
+    (its VNNI kernels, and AMX's tiles from 8 rows); the others have none, so layers keep their blocks there."""
     with forced_build(build, tmp_path, monkeypatch):
         for qtype in INT8_TYPES:
             ks = (512, 768) if gguf_quants.TYPES[qtype].values_per_block == 256 else (160, 96)
-            for k in ks:
-                for m in (1, 5, 12, 70) if k == ks[0] else (2,):
-                    _check(qtype, m, k, seed=qtype + m + k, what=f"{build}, {NAMES[qtype]}, k={k}, {m} rows")
-            _check_extremes(qtype, ks[0], build)
+            tiled = qtype in TILED_TYPES and build in ("avx512_vnni", "amx_int8")
+            assert (_tiles(gp.random_blocks(qtype, 3, ks[0]), qtype, ks[0]) is not None) == tiled
+            for product in (_product, _tiled_product) if tiled else (_product,):
+                for k in ks:
+                    for m in (1, 5, 12, 70) if k == ks[0] else (2,):
+                        _check(qtype, m, k, seed=qtype + m + k, product=product,
+                               what=f"{build}, {NAMES[qtype]}, k={k}, {m} rows, {product.__name__}")
+                _check_extremes(qtype, ks[0], build, product)
 
 
 def _extreme_blocks(qtype: int, k: int, fill: int) -> np.ndarray:
@@ -127,12 +147,13 @@ def _extreme_blocks(qtype: int, k: int, fill: int) -> np.ndarray:
     return data
 
 
-def _check_extremes(qtype: int, k: int, build: str) -> None:
+def _check_extremes(qtype: int, k: int, build: str, product=_product) -> None:
     """The largest weights times x's q at +-127 (x constant per block, or alternating in sign): pairs of products up
     to 2 * 128 * 127, where vpmaddubsw's int16 sums would saturate but for the operands' ranges."""
     rows = torch.tensor([[1.0] * k, [-1.0] * k, [(-1.0) ** i for i in range(k)]])
     for fill in (0xFF, 0x80):
-        _compare(rows, _extreme_blocks(qtype, k, fill), qtype, f"{build}, {NAMES[qtype]}, bytes {fill:#x}")
+        _compare(rows, _extreme_blocks(qtype, k, fill), qtype, f"{build}, {NAMES[qtype]}, bytes {fill:#x}",
+                 product=product)
 
 
 def _one_hot_q8_0(columns: list[int], k: int) -> np.ndarray:
@@ -200,3 +221,39 @@ def test_a_nan_in_x_is_read_without_reading_past_its_block():
     x[1, :256] = float("nan")
     y = _product(x, data, gp.Q4_K)
     assert y.shape == (2, 3)
+
+
+needs_tiles = pytest.mark.skipif(_tiles(gp.random_blocks(gp.Q4_0, 1, 32), gp.Q4_0, 32) is None,
+                                 reason="this build has no tile layout (it needs AVX-512 VNNI)")
+
+
+@needs_tiles
+@pytest.mark.parametrize("qtype", TILED_TYPES, ids=NAMES.get)
+def test_tiled_weights_equal_float64_of_llama_cpp_rounded_x_for_1_to_20_and_70_rows(qtype):
+    """The layout loaded layers hold on AVX-512 VNNI builds: 21 outputs (a last strip of 5), odd group counts, rows
+    through the VNNI kernels' passes of 8, 4, 2, 1 and, from 8 rows where the CPU has them, AMX's tiles (70 rows:
+    five tiles of rows, the last of 6); a bias; x with a large mean (the weights' zero and m meet x's sums)."""
+    for k in (160, 96):
+        for m in (*range(1, 21), 70):
+            _check(qtype, m, k, seed=m + k, what=f"{NAMES[qtype]} tiled, k={k}, {m} rows", bias=m in (3, 17),
+                   product=_tiled_product)
+
+
+@needs_tiles
+def test_tiled_rows_have_the_same_bits_alone_or_among_any_rows():
+    """A decode row and a verification step's rows, on the VNNI kernels or (from 8 rows) the tiles, take one
+    arithmetic: each row's product is the same float32, bit for bit, whatever rows share it."""
+    for qtype in TILED_TYPES:
+        data = gp.random_blocks(qtype, 37, 160, 5)
+        x = torch.randn(20, 160, generator=torch.Generator().manual_seed(4))
+        alone = torch.cat([_tiled_product(x[i:i + 1], data, qtype) for i in range(20)])
+        for m in (2, 5, 8, 9, 16, 20):
+            assert torch.equal(_tiled_product(x[:m], data, qtype), alone[:m]), f"{NAMES[qtype]}, {m} rows"
+
+
+@needs_tiles
+def test_tiling_a_weight_of_another_kind_or_shape_is_refused():
+    assert _tiles(gp.random_blocks(gp.Q4_K, 3, 256), gp.Q4_K, 256) is None  # no layout for the K-quants yet
+    tiles = _tiles(gp.random_blocks(gp.Q4_0, 3, 64), gp.Q4_0, 64)
+    with pytest.raises(ValueError, match="do not read weight kind"):  # strips of 64 values read as rows of 32
+        gguf_quants.tiled_linear(torch.ones(1, 32), tiles, gp.Q4_0, 32, 3)

@@ -90,6 +90,11 @@ def test_avx2_build_equals_attention_over_the_listed_keys(avx2_build, dtype):
         out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(None, None), 0.3)
         expected = reference(q, k_cache, v_cache, tables, lens, 0.3)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=lambda e, d=head_dim: f"{d}: {e}")
+        q, k_cache, v_cache, tables, lens = _verification_step([(30, 6), (9, 3)], 6, 2, head_dim, head_dim)
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), tables, lens, [], 16)
+        k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)  # a verification step's rows read keys together
+        out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *meta.decode_key_ranges(None, None), 0.3)
+        torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 0.3), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window,chunk", [(5, None), (None, 8), (12, 8)])
@@ -366,3 +371,52 @@ def test_attention_layer_prefill_after_cached_tokens_takes_the_kernel(monkeypatc
     assert calls == [num_computed]
     want = causal_reference(q, keys, values, num_computed, 0.25).flatten(1)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def _verification_step(requests, num_heads, num_kv_heads, head_dim, seed):
+    """A speculative verification step's rows: request i's `rows` consecutive positions ending at its `length`, each
+    row its own query through the request's one block table (the rows of one request share it)."""
+    q, k_cache, v_cache, tables, lens = random_batch([length for length, _ in requests], num_heads, num_kv_heads,
+                                                     head_dim, 16, seed)
+    row_tables, row_lens = [], []
+    for i, (length, rows) in enumerate(requests):
+        for r in range(rows):
+            row_tables.append(tables[i])
+            row_lens.append(length - rows + 1 + r)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(row_lens), num_heads, head_dim, generator=g)
+    return q, k_cache, v_cache, torch.stack(row_tables), torch.tensor(row_lens)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16 cache"])
+@pytest.mark.parametrize("requests,num_kv_heads,head_dim,window", [
+    ([(300, 9)], 3, 64, None),  # SmolLM2's heads: 3 KV heads of 64, 9 rows; key slices on four threads
+    ([(40, 5), (700, 9), (17, 1)], 2, 128, None),  # three requests, one a plain decode row among them
+    ([(900, 6)], 1, 256, 600),  # Gemma 3's one KV head, a sliding window: each row's first key one later
+    ([(130, 4), (250, 3)], 2, 24, None)])  # heads the vector loops do not take
+def test_a_requests_rows_of_one_step_attend_their_own_keys_with_the_bits_of_each_row_alone(
+        four_threads, dtype, requests, num_kv_heads, head_dim, window):
+    """A verification step's rows of one request read each key once for all of them (decode_attention_runs.h): each
+    row equals attention over its own keys, and has the bits it has in a decode step of the same requests (one row
+    each, as plain decoding would run them), with and without soft-capping and sinks."""
+    q, k_cache, v_cache, tables, lens = _verification_step(requests, 3 * num_kv_heads, num_kv_heads, head_dim, 5)
+    sinks = torch.linspace(-2.0, 3.0, 3 * num_kv_heads)
+    if dtype != "float32":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+        q = q.bfloat16() if dtype == "bfloat16" else q
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), tables, lens, [], 16)
+    ranges = meta.decode_key_ranges(window, None)
+    for softcap, with_sinks in [(None, False), (2.0, True)]:
+        options = {"softcap": softcap, "sinks": sinks if with_sinks else None}
+        together = cpu_attention.paged_decode_attention(q, k_cache, v_cache, *ranges, 0.1, **options)
+        starts = [sum(rows for _, rows in requests[:i]) for i in range(len(requests))]
+        for offset in range(max(rows for _, rows in requests)):  # a plain decode step: each request's row there
+            rows = torch.tensor([start + min(offset, n - 1) for start, (_, n) in zip(starts, requests, strict=True)])
+            decode = cpu_attention.paged_decode_attention(q[rows], k_cache, v_cache, *(r[rows] for r in ranges), 0.1,
+                                                          **options)
+            assert torch.equal(together[rows], decode), f"rows {rows.tolist()}"
+        expected = reference(q, k_cache, v_cache, tables, lens, 0.1, window, **options)
+        if dtype == "bfloat16":
+            torch.testing.assert_close(together.float(), expected.bfloat16().float(), atol=1e-3, rtol=2 ** -7)
+        else:
+            torch.testing.assert_close(together, expected, atol=1e-5, rtol=1e-5)

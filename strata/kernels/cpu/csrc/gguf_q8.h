@@ -84,8 +84,10 @@ static inline __m256i q8_k_scales_mins(const uint8_t *packed) { return _mm256_cv
 #elif STRATA_AVX2
 #include "gguf_q8_avx2.h"
 #endif
+#include "gguf_q8_tiled.h" /* after the VNNI kernels */
 #if STRATA_AMX_INT8
 #include "gguf_q8_amx.h" /* after the VNNI kernels, whose weight values it packs */
+#include "gguf_q8_tiled_amx.h"
 #endif
 
 #if STRATA_AVX512VNNI
@@ -118,7 +120,7 @@ static int q8_prepare(const float *x, int64_t m_total, int64_t m_alloc, int64_t 
     *buffer = base;
     memset(base + stride * (size_t)m_total, 0, stride * (size_t)(m_alloc - m_total));
     for (int64_t m = 0; m < m_total; m++) xs[m] = q8_at(base + stride * (size_t)m, k, per_block);
-#pragma omp parallel for schedule(static) if (m_total >= 8)
+#pragma omp parallel for schedule(static) if (m_total * k >= (1 << 16)) /* a verification step's rows: less than a fork costs */
     for (int64_t m = 0; m < m_total; m++) q8_round_row(x + m * k, k, per_block, xs + m);
     return 0;
 }
@@ -149,15 +151,15 @@ static void q8_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, c
 }
 
 /* out[m_total, n] = x (rounded as above) times a GGUF weight's transpose (+ bias), any number of rows of x: on AMX's
-   int8 tiles from q8x_min_rows rows where the build and the CPU have them, else the weight's rows shared among the
-   threads, each read once for up to Q8_ROWS_PER_PASS rows of x. Returns 0, -1 when memory ran out, -2 for a kind
-   without these kernels. */
-static int gguf_q8_matmul(const weights_t *w, const float *x, int64_t m_total, const float *bias, float *out,
-                          int num_threads) {
-    if (!q8_has_kernel(w->kind)) return -2;
+   int8 tiles from q8x_min_rows rows where the build and the CPU have them, else the weight's rows (tiled: its strips
+   of gguf_q8_tiled.h's layout, AVX-512 VNNI builds only) shared among the threads, each read once for up to
+   Q8_ROWS_PER_PASS rows of x. Returns 0, -1 when memory ran out, -2 for a kind without these kernels. */
+static int gguf_q8_matmul(const weights_t *w, int tiled, const float *x, int64_t m_total, const float *bias,
+                          float *out, int num_threads) {
+    if (!q8_has_kernel(w->kind) || (tiled && !(STRATA_AVX512VNNI && q8t_has_layout(w->kind)))) return -2;
     const int per_block = (int)gguf_block_values(w->kind);
 #if STRATA_AMX_INT8
-    const int tiles = m_total >= q8x_min_rows(w->kind) && amx_permitted();
+    const int tiles = m_total >= (tiled ? Q8T_MIN_TILE_ROWS : q8x_min_rows(w->kind)) && amx_permitted();
 #else
     const int tiles = 0;
 #endif
@@ -170,7 +172,14 @@ static int gguf_q8_matmul(const weights_t *w, const float *x, int64_t m_total, c
     }
     int status = 0;
 #if STRATA_AMX_INT8
-    if (tiles) status = q8x_multiply(w, xs, m_total, (int64_t)q8_row_stride(w->k, per_block), bias, out, num_threads);
+    const int64_t stride = (int64_t)q8_row_stride(w->k, per_block);
+    if (tiles)
+        status = tiled ? q8t_tile_multiply(w, xs, m_total, stride, bias, out, num_threads)
+                       : q8x_multiply(w, xs, m_total, stride, bias, out, num_threads);
+    else
+#endif
+#if STRATA_AVX512VNNI
+    if (tiled) q8t_multiply(w, xs, m_total, bias, out, num_threads);
     else
 #endif
         q8_multiply(w, xs, m_total, bias, out, num_threads);

@@ -284,12 +284,21 @@ static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, co
 }
 #endif
 
+/* Bytes of a strip of 16 outputs of a GGUF kind (KIND_GGUF + ggml's type) in the int8 kernels' tile layout
+   (gguf_q8_tiled.h), rows of k values; -2 where this build has no kernels for that layout, the kind none, or k is
+   not whole blocks. */
+int64_t q8_tiled_strip_bytes(int kind, int64_t k) {
+    if (!STRATA_AVX512VNNI || !q8t_has_layout(kind) || k <= 0 || k % 32) return -2;
+    return q8t_strip_bytes(kind, k);
+}
+
 /* out[m_total, n] = x[m_total, k] (float32, contiguous) times the weight's transpose (+ bias, float32 or NULL).
    kind: 0 float32 / 1 bfloat16 weight [n, k]; 4 / 8: packed int4 / int8 with scales and zeros
    [n, groups]; 9: float8 e4m3 bytes [n, k] with scales [n, 1]; 16: MXFP4 blocks [n, k / 2] with their uint8 e8m0
    exponents [n, k / 32] passed as `scales` (mxfp4.h; zeros and groups unused); 32 + ggml's type: GGUF blocks
    (gguf_blocks.h; scales, zeros and groups unused); 64 + ggml's type: the same blocks times x rounded to Q8_0 / Q8_K
-   as llama.cpp rounds it (gguf_q8.h). Rows of the weight are shared among the threads, each read
+   as llama.cpp rounds it (gguf_q8.h); 96 + ggml's type: those products with the weight in the tile layout
+   (gguf_q8_tiled.h, strips of 16 outputs `row_bytes` apart). Rows of the weight are shared among the threads, each read
    once for every 8 rows of x (4 in plain C; int4 and int8 at one row on AVX2: the fixed-point kernels). Returns 0,
    -1 when scratch memory ran out, -2 for a GGUF kind strata does not read or a K that is not a whole number of its
    blocks. */
@@ -299,10 +308,12 @@ int weight_only_matmul(const float *x, int64_t m_total, int64_t k, const void *w
     if (kind == KIND_MXFP4)
         return mxfp4_matmul(x, m_total, k, weight, row_bytes, (const uint8_t *)scales, bias, out, n, num_threads);
     if (kind >= KIND_GGUF_Q8) { /* x rounded to 8 bits as llama.cpp rounds it (gguf_q8.h) */
-        const int base = kind - KIND_GGUF_Q8 + KIND_GGUF;
-        if (!q8_has_kernel(base) || !gguf_shape_ok(base, k, row_bytes)) return -2;
+        const int tiled = kind >= KIND_GGUF_Q8T, base = kind - (tiled ? KIND_GGUF_Q8T : KIND_GGUF_Q8) + KIND_GGUF;
+        if (!q8_has_kernel(base) || (tiled ? q8_tiled_strip_bytes(base, k) != row_bytes
+                                           : !gguf_shape_ok(base, k, row_bytes)))
+            return -2;
         const weights_t gw = {weight, row_bytes, n, k, 1, k, NULL, NULL, base};
-        return gguf_q8_matmul(&gw, x, m_total, bias, out, num_threads);
+        return gguf_q8_matmul(&gw, tiled, x, m_total, bias, out, num_threads);
     }
     kind = gguf_dense_kind(kind);
     if (kind >= KIND_GGUF && kind != KIND_F16) {
@@ -363,6 +374,18 @@ int weight_rows(const void *weight, int64_t row_bytes, int kind, int64_t k, cons
         else
             gguf_row_floats(kind, row, 0, k, out + i * k);
     }
+    return 0;
+}
+
+/* A GGUF weight [n, k] (rows src_row_bytes apart) laid out in strips of 16 outputs (q8_tiled_strip_bytes each, the
+   last one's rows past n zeros) at dst, once, at load. Returns 0, or -2 as q8_tiled_strip_bytes. */
+int q8_tile_weight(const void *src, int64_t src_row_bytes, int64_t n, int64_t k, int kind, void *dst,
+                   int num_threads) {
+    const int64_t strip_bytes = q8_tiled_strip_bytes(kind, k);
+    if (strip_bytes < 0 || !gguf_shape_ok(kind, k, src_row_bytes)) return -2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t strip = 0; strip < (n + 15) / 16; strip++)
+        q8t_layout_strip(kind, src, src_row_bytes, n, k, 16 * strip, (uint8_t *)dst + strip * strip_bytes);
     return 0;
 }
 
@@ -459,4 +482,5 @@ const char *weight_only_build(void) {
 #endif
 }
 
-STRATA_ABI_EXPORT(weight_only, STRATA_ABI_WEIGHT_KINDS STRATA_ABI_CONST(KIND_MXFP4) STRATA_ABI_CONST(KIND_GGUF_Q8))
+STRATA_ABI_EXPORT(weight_only, STRATA_ABI_WEIGHT_KINDS STRATA_ABI_CONST(KIND_MXFP4) STRATA_ABI_CONST(KIND_GGUF_Q8)
+                                STRATA_ABI_CONST(KIND_GGUF_Q8T))
