@@ -143,7 +143,7 @@ static inline wide_t wide_sum(const wide_t v[8]) {
                               int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,      \
                               int64_t token_stride, const float *scores, float *out, const int64_t *ranges) { \
         const int64_t n = hi - lo, chunks = head_dim / WIDE_LANES;                                            \
-        const int blocked = chunks == 4 ? WIDE_QB4 : chunks == WIDE_PASS ? WIDE_QB8 : 1;                      \
+        const int blocked = chunks == 4 ? WIDE_QB4 : chunks % WIDE_PASS == 0 ? WIDE_QB8 : 1;                  \
         for (int64_t j0 = 0; j0 < num_q;) {                                                                   \
             const int64_t end = (j0 / group + 1) * group, left = end - j0;                                    \
             const int qb = left < blocked ? (int)left : blocked;                                              \
@@ -174,8 +174,11 @@ static inline wide_t wide_sum(const wide_t v[8]) {
                                         block_stride, token_stride, p, n, o, head_dim); break;                \
                     }                                                                                         \
                 else if (pass == WIDE_PASS && qb == WIDE_QB8)                                                 \
-                    NAME##_pass(WIDE_PASS, WIDE_QB8, v_cache, table, lo, first, last, head, block_size,   \
+                    NAME##_pass(WIDE_PASS, WIDE_QB8, v_cache, table, lo, first, last, head, block_size,       \
                                 block_stride, token_stride, p, n, o, head_dim);                               \
+                else if (pass == WIDE_PASS)                                                                   \
+                    NAME##_pass(WIDE_PASS, 1, v_cache, table, lo, first, last, head, block_size, block_stride, \
+                                token_stride, p, n, o, head_dim);                                             \
                 else                                                                                          \
                     NAME##_pass(pass, 1, v_cache, table, lo, first, last, head, block_size, block_stride,  \
                                 token_stride, p, n, o, head_dim);                                             \
