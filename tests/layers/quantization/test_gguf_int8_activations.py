@@ -18,7 +18,7 @@ from strata.layers.quantization import gguf_quants
 INT8_TYPES = (gp.Q4_0, gp.Q4_1, gp.Q5_0, gp.Q5_1, gp.Q8_0, gp.Q4_K, gp.Q5_K, gp.Q6_K)
 NAMES = {t: gguf_quants.TYPES[t].name for t in INT8_TYPES}
 _WITH_MIN = (gp.Q4_1, gp.Q5_1)
-TILED_TYPES = (gp.Q4_0, gp.Q4_1, gp.Q5_0, gp.Q5_1, gp.Q8_0)  # the kinds with a tile layout (AVX-512 VNNI builds)
+TILED_TYPES = INT8_TYPES  # the kinds with a tile layout (AVX-512 VNNI builds): all of them
 
 
 def _round_q8_32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -199,9 +199,9 @@ def test_int8_without_the_c_kernels_is_refused_not_run_in_float(monkeypatch):
 
 
 def test_avx512_vnni_gives_each_row_the_same_bits_alone_or_among_up_to_7_rows(tmp_path, monkeypatch):
-    """A decode row and a verification step's rows (2-7 of them, below the AMX tiles' 8) take one arithmetic: each
-    row's product is the same float32, bit for bit, whatever rows share the pass (a greedy verification then sees the
-    logits decoding would). One build for every kind."""
+    """A decode row and a verification step's rows (2-7 of them, below the AMX tiles' 8; any number from the tile
+    layout) take one arithmetic: each row's product is the same float32, bit for bit, whatever rows share the pass (a
+    greedy verification then sees the logits decoding would). One build for every kind."""
     with forced_build("avx512_vnni", tmp_path, monkeypatch):
         for qtype in (gp.Q4_1, gp.Q5_0, gp.Q8_0, gp.Q4_K, gp.Q6_K):
             k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160
@@ -210,6 +210,10 @@ def test_avx512_vnni_gives_each_row_the_same_bits_alone_or_among_up_to_7_rows(tm
             alone = torch.cat([_product(x[i:i + 1], data, qtype) for i in range(7)])
             for m in (2, 3, 4, 5, 7):
                 assert torch.equal(_product(x[:m], data, qtype), alone[:m]), f"{NAMES[qtype]}, {m} rows"
+            x = torch.randn(12, k, generator=torch.Generator().manual_seed(3))  # the tile layout: any rows (no AMX)
+            alone = torch.cat([_tiled_product(x[i:i + 1], data, qtype) for i in range(12)])
+            for m in (3, 8, 9, 12):
+                assert torch.equal(_tiled_product(x[:m], data, qtype), alone[:m]), f"{NAMES[qtype]} tiled, {m} rows"
 
 
 def test_a_nan_in_x_is_read_without_reading_past_its_block():
@@ -230,10 +234,10 @@ needs_tiles = pytest.mark.skipif(_tiles(gp.random_blocks(gp.Q4_0, 1, 32), gp.Q4_
 @needs_tiles
 @pytest.mark.parametrize("qtype", TILED_TYPES, ids=NAMES.get)
 def test_tiled_weights_equal_float64_of_llama_cpp_rounded_x_for_1_to_20_and_70_rows(qtype):
-    """The layout loaded layers hold on AVX-512 VNNI builds: 21 outputs (a last strip of 5), odd group counts, rows
-    through the VNNI kernels' passes of 8, 4, 2, 1 and, from 8 rows where the CPU has them, AMX's tiles (70 rows:
-    five tiles of rows, the last of 6); a bias; x with a large mean (the weights' zero and m meet x's sums)."""
-    for k in (160, 96):
+    """The layout loaded layers hold on AVX-512 VNNI builds: 21 outputs (a last strip of 5), odd group or block counts,
+    rows through the VNNI kernels' passes of 8, 4, 2, 1 and, from 8 rows where the CPU has them, AMX's tiles (70 rows:
+    five tiles of rows, the last of 6); a bias; x with a large mean (the weights' zero, m and mins meet x's sums)."""
+    for k in (768, 256) if gguf_quants.TYPES[qtype].values_per_block == 256 else (160, 96):
         for m in (*range(1, 21), 70):
             _check(qtype, m, k, seed=m + k, what=f"{NAMES[qtype]} tiled, k={k}, {m} rows", bias=m in (3, 17),
                    product=_tiled_product)
@@ -244,8 +248,9 @@ def test_tiled_rows_have_the_same_bits_alone_or_among_any_rows():
     """A decode row and a verification step's rows, on the VNNI kernels or (from 8 rows) the tiles, take one
     arithmetic: each row's product is the same float32, bit for bit, whatever rows share it."""
     for qtype in TILED_TYPES:
-        data = gp.random_blocks(qtype, 37, 160, 5)
-        x = torch.randn(20, 160, generator=torch.Generator().manual_seed(4))
+        k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160
+        data = gp.random_blocks(qtype, 37, k, 5)
+        x = torch.randn(20, k, generator=torch.Generator().manual_seed(4))
         alone = torch.cat([_tiled_product(x[i:i + 1], data, qtype) for i in range(20)])
         for m in (2, 5, 8, 9, 16, 20):
             assert torch.equal(_tiled_product(x[:m], data, qtype), alone[:m]), f"{NAMES[qtype]}, {m} rows"
@@ -253,7 +258,7 @@ def test_tiled_rows_have_the_same_bits_alone_or_among_any_rows():
 
 @needs_tiles
 def test_tiling_a_weight_of_another_kind_or_shape_is_refused():
-    assert _tiles(gp.random_blocks(gp.Q4_K, 3, 256), gp.Q4_K, 256) is None  # no layout for the K-quants yet
+    assert _tiles(gp.random_blocks(gp.F16, 3, 64), gp.F16, 64) is None
     tiles = _tiles(gp.random_blocks(gp.Q4_0, 3, 64), gp.Q4_0, 64)
     with pytest.raises(ValueError, match="do not read weight kind"):  # strips of 64 values read as rows of 32
         gguf_quants.tiled_linear(torch.ones(1, 32), tiles, gp.Q4_0, 32, 3)

@@ -40,13 +40,14 @@ static inline int q8_nearest_int(float f) { return (int)rintf(f); }
 
 /* One row of x rounded: q[k] and uq[k] = q + 128 (the unsigned operand against signed weights); d per block (Q8_0:
    the fp16 d as float; Q8_K: float d); s per 32 (Q8_1's fp16 s); lanes: q summed per 4 values (each int32 lane of a
-   vpdpbusd); sum16: q summed per 16 (Q8_K's bsums); per lane of 4 values its block's d (d_lanes) and s / 8 (s_lanes:
-   8 lanes a block sum to s); sum16_d: sum16 times the block's d (the K-quants' mins meet it). */
+   vpdpbusd); sum16: q summed per 16 (Q8_K's bsums); sum32 per 32, and as float (sum32_f); per lane of 4 values its
+   block's d (d_lanes) and s / 8 (s_lanes: 8 lanes a block sum to s); sum16_d: sum16 times the block's d (the
+   K-quants' mins meet it). */
 typedef struct {
     int8_t *q;
     uint8_t *uq;
-    float *d, *s, *d_lanes, *s_lanes, *sum16_d;
-    int32_t *lanes, *sum16;
+    float *d, *s, *d_lanes, *s_lanes, *sum16_d, *sum32_f;
+    int32_t *lanes, *sum16, *sum32;
 } q8_x_t;
 
 #if STRATA_AVX2
@@ -150,6 +151,7 @@ static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
     else q8_round_row_256(x, k, p);
     for (int64_t i = 0; i < k / 16; i++)
         p->sum16[i] = p->lanes[4 * i] + p->lanes[4 * i + 1] + p->lanes[4 * i + 2] + p->lanes[4 * i + 3];
+    for (int64_t i = 0; i < k / 32; i++) p->sum32[i] = p->sum16[2 * i] + p->sum16[2 * i + 1], p->sum32_f[i] = (float)p->sum32[i];
 #if STRATA_AVX512VNNI
     for (int64_t i = 0; i < k; i++) p->uq[i] = (uint8_t)(p->q[i] + 128);
     for (int64_t i = 0; i < k / 16; i++) p->sum16_d[i] = (float)p->sum16[i] * p->d[16 * i / per_block];
@@ -162,8 +164,8 @@ static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
 
 /* Bytes of one rounded row of x (q8_x_t's arrays, 64-byte aligned): what q8_at lays out. */
 static inline size_t q8_row_stride(int64_t k, int per_block) {
-    const size_t per_row = 2 * (size_t)k + sizeof(float) * (size_t)(2 * (k / per_block) + 2 * (k / 4) + k / 16) +
-                           sizeof(int32_t) * (size_t)(k / 4 + k / 16);
+    const size_t per_row = 2 * (size_t)k + sizeof(float) * (size_t)(2 * (k / per_block) + 2 * (k / 4) + k / 16 + k / 32) +
+                           sizeof(int32_t) * (size_t)(k / 4 + k / 16 + k / 32);
     return (per_row + 63) / 64 * 64;
 }
 
@@ -174,8 +176,10 @@ static inline q8_x_t q8_at(uint8_t *at, int64_t k, int per_block) {
     x.d_lanes = (float *)(x.lanes + k / 4);
     x.s_lanes = x.d_lanes + k / 4;
     x.sum16 = (int32_t *)(x.s_lanes + k / 4);
-    x.sum16_d = (float *)(x.sum16 + k / 16);
-    x.d = x.sum16_d + k / 16;
+    x.sum32 = x.sum16 + k / 16;
+    x.sum16_d = (float *)(x.sum32 + k / 32);
+    x.sum32_f = x.sum16_d + k / 16;
+    x.d = x.sum32_f + k / 32;
     x.s = x.d + k / per_block;
     x.q = (int8_t *)(x.s + k / per_block);
     x.uq = (uint8_t *)(x.q + k);

@@ -1,12 +1,14 @@
 /* GGUF weights laid out once, at load, for the int8-activation kernels (quantized_activations=int8 on AVX-512 VNNI
    builds), as llama.cpp's repack does: 16 outputs a strip, each group of 32 values as the 8 rows of 64 bytes that an
-   AMX int8 tile holds (row p: the values 4p .. 4p + 3 of each output in turn), the 4-bit kinds two rows a byte, the
-   5-bit kinds' fifth bits a 64-bit mask a row, values unsigned (Q4_0 / Q5_0 / Q8_0: q + 8 / 16 / 128, the
-   weights' own zero taken off through x's sum); then the 16 outputs' fp16 d (and m). A group takes 16 times the
-   bytes of one block. One layout serves the VNNI kernels here (vpdpbusd: 16 outputs a register, x's 4 bytes
-   broadcast, any rows of x) and the AMX tiles (gguf_q8_amx.h, which widens it to the tile's bytes without the
-   per-product packing), with the same integer sums and the same float steps in both: a row of x gets the same bits
-   whatever rows share its product. Included by gguf_q8.h. */
+   AMX int8 tile holds (row p: the values 4p .. 4p + 3 of each output in turn), 4-bit values two rows a byte, a fifth
+   (and Q6_K's sixth) bit a 64-bit mask a row, values unsigned (Q4_0 / Q5_0 / Q8_0 / Q6_K: q + 8 / 16 / 128 / 32, the
+   weights' zero taken off through x's sums). The legacy kinds' groups end with their 16 outputs' fp16 d (and m):
+   16 times a block's bytes. A K-quant block's 8 groups follow a header of the 16 outputs' fp16 d (and dmin) and their
+   sub-blocks' scales (and mins) as bytes, [sub-block][output]. One layout serves the VNNI kernels here (vpdpbusd:
+   16 outputs a register, x's 4 bytes broadcast, any rows of x) and the AMX tiles (gguf_q8_tiled_amx.h, which widens
+   it to bytes without the per-product packing), with the same integer sums and the same float steps in both: a row
+   of x gets the same bits whatever rows share its product. A unit is what one scale covers (32 values; Q6_K's 16).
+   Included by gguf_q8.h. */
 #ifndef STRATA_GGUF_Q8_TILED_H
 #define STRATA_GGUF_Q8_TILED_H
 
@@ -15,54 +17,94 @@ enum { KIND_GGUF_Q8T = 96 }; /* + ggml's type: that GGUF kind in the tile layout
 /* Rows of x from which a tiled weight's products take the AMX tiles (fewer: the VNNI kernels here). */
 #define Q8T_MIN_TILE_ROWS 8
 
-#define Q8T_EACH_KIND(M) M(KIND_Q4_0) M(KIND_Q4_1) M(KIND_Q5_0) M(KIND_Q5_1) M(KIND_Q8_0)
+#define Q8T_EACH_KIND(M) Q8_EACH_KIND(M)
 
-static inline int q8t_has_layout(int kind) {
+static inline int q8t_has_layout(int kind) { return q8_has_kernel(kind); }
+
+static inline int q8t_k_quant(int kind) { return gguf_block_values(kind) == QK_K; }
+
+/* Bytes of a group's values, of a K-quant block's header, and of a group (legacy) or a block (K-quants). */
+static inline int64_t q8t_value_bytes(int kind) {
     switch (kind) {
-#define Q8T_CASE(K) case K:
-    Q8T_EACH_KIND(Q8T_CASE) return 1;
-#undef Q8T_CASE
+    case KIND_Q8_0: return 512;
+    case KIND_Q5_0: case KIND_Q5_1: case KIND_Q5_K: return 320;
+    case KIND_Q6_K: return 384;
+    default: return 256;
+    }
+}
+static inline int64_t q8t_header_bytes(int kind) { return kind == KIND_Q6_K ? 32 + 256 : 32 + 32 + 128 + 128; }
+static inline int64_t q8t_stride(int kind) {
+    return q8t_k_quant(kind) ? q8t_header_bytes(kind) + 8 * q8t_value_bytes(kind) : 16 * gguf_block_bytes(kind);
+}
+
+/* What the stored values exceed the signed ones by. */
+static inline int q8t_zero(int kind) {
+    switch (kind) {
+    case KIND_Q4_0: return 8;
+    case KIND_Q5_0: return 16;
+    case KIND_Q8_0: return 128;
+    case KIND_Q6_K: return 32;
     default: return 0;
     }
 }
 
-/* A group's bytes: its values, then d [16] (fp16), then m [16] for Q4_1 / Q5_1. */
-static inline int64_t q8t_group_bytes(int kind) { return 16 * gguf_block_bytes(kind); }
-static inline int64_t q8t_value_bytes(int kind) {
-    return kind == KIND_Q8_0 ? 512 : kind == KIND_Q5_0 || kind == KIND_Q5_1 ? 320 : 256;
-}
-static inline int q8t_zero(int kind) { /* what the stored values exceed the signed ones by */
-    return kind == KIND_Q4_0 ? 8 : kind == KIND_Q5_0 ? 16 : kind == KIND_Q8_0 ? 128 : 0;
+/* A strip's bytes for rows of k values (a whole number of the kind's blocks). */
+static inline int64_t q8t_strip_bytes(int kind, int64_t k) { return k / gguf_block_values(kind) * q8t_stride(kind); }
+
+/* Group u's values in a strip. */
+static inline const uint8_t *q8t_group(int kind, const uint8_t *strip, int64_t u) {
+    if (!q8t_k_quant(kind)) return strip + u * q8t_stride(kind);
+    return strip + u / 8 * q8t_stride(kind) + q8t_header_bytes(kind) + u % 8 * q8t_value_bytes(kind);
 }
 
-/* A strip's bytes for rows of k values (a whole number of 32-value blocks). */
-static inline int64_t q8t_strip_bytes(int kind, int64_t k) { return k / 32 * q8t_group_bytes(kind); }
+/* Output j's 32 values of group u (unsigned) into the group's rows g. */
+static void q8t_put_values(int kind, const int q[32], int j, uint8_t *g) {
+    for (int l = 0; l < 32; l++) {
+        const int v = q[l] + (kind == KIND_Q8_0 ? 128 : 0), p = l / 4, at = 4 * j + l % 4;
+        if (kind == KIND_Q8_0) {
+            g[64 * p + at] = (uint8_t)v;
+            continue;
+        }
+        g[64 * (p % 4) + at] |= (uint8_t)((v & 15) << (p >= 4 ? 4 : 0));
+        if (v & 16) g[256 + 8 * p + at / 8] |= (uint8_t)(1u << (at % 8));
+        if (v & 32) g[320 + 8 * p + at / 8] |= (uint8_t)(1u << (at % 8));
+    }
+}
+
+/* Output j's scales of block b (header h): K-quants' fp16 d (dmin) and sub-block scales (mins). */
+static void q8t_put_header(int kind, const uint8_t *block, int j, uint8_t *h) {
+    if (kind == KIND_Q6_K) {
+        memcpy(h + 2 * j, block + 208, 2);
+        for (int i = 0; i < 16; i++) h[32 + 16 * i + j] = block[192 + i];
+        return;
+    }
+    memcpy(h + 2 * j, block, 2);
+    memcpy(h + 32 + 2 * j, block + 2, 2);
+    for (int i = 0; i < 8; i++) {
+        int sc, mn;
+        k_scale_min(block + 4, i, &sc, &mn);
+        h[64 + 16 * i + j] = (uint8_t)sc, h[192 + 16 * i + j] = (uint8_t)mn;
+    }
+}
 
 /* Outputs n0 .. n0 + 15 of a GGUF weight (rows src_row_bytes apart; rows past n: zeros) into one strip. */
 static void q8t_layout_strip(int kind, const uint8_t *src, int64_t src_row_bytes, int64_t n, int64_t k, int64_t n0,
-                           uint8_t *strip) {
-    const int64_t groups = k / 32, group_bytes = q8t_group_bytes(kind), value_bytes = q8t_value_bytes(kind);
-    const int64_t block_bytes = gguf_block_bytes(kind);
-    const int with_min = kind == KIND_Q4_1 || kind == KIND_Q5_1;
-    memset(strip, 0, (size_t)(groups * group_bytes));
-    for (int64_t j = 0; j < 16 && n0 + j < n; j++) {
+                             uint8_t *strip) {
+    const int64_t groups = k / 32, per_block = gguf_block_values(kind), block_bytes = gguf_block_bytes(kind);
+    const int64_t value_bytes = q8t_value_bytes(kind);
+    memset(strip, 0, (size_t)q8t_strip_bytes(kind, k));
+    for (int j = 0; j < 16 && n0 + j < n; j++) {
         for (int64_t u = 0; u < groups; u++) {
-            const uint8_t *block = src + (n0 + j) * src_row_bytes + u * block_bytes;
-            uint8_t *g = strip + u * group_bytes;
+            const uint8_t *block = src + (n0 + j) * src_row_bytes + u * 32 / per_block * block_bytes;
+            uint8_t *g = (uint8_t *)q8t_group(kind, strip, u);
             int q[32];
             float scale[2], offset[2];
-            gguf_run_scalar(kind, block, 0, q, scale, offset);
-            for (int l = 0; l < 32; l++) {
-                const int v = kind == KIND_Q8_0 ? q[l] + 128 : q[l], p = l / 4, at = 4 * (int)j + l % 4;
-                if (kind == KIND_Q8_0) {
-                    g[64 * p + at] = (uint8_t)v;
-                    continue;
-                }
-                g[64 * (p % 4) + at] |= (uint8_t)((v & 15) << (p >= 4 ? 4 : 0));
-                if (v & 16) g[256 + 8 * p + at / 8] |= (uint8_t)(1u << (at % 8));
-            }
+            gguf_run_scalar(kind, block, (int)(u % (per_block / 32)), q, scale, offset);
+            q8t_put_values(kind, q, j, g);
+            if (q8t_k_quant(kind) && u % 8 == 0) q8t_put_header(kind, block, j, strip + u / 8 * q8t_stride(kind));
+            if (q8t_k_quant(kind)) continue;
             memcpy(g + value_bytes + 2 * j, block, 2);
-            if (with_min) memcpy(g + value_bytes + 32 + 2 * j, block + 2, 2);
+            if (kind == KIND_Q4_1 || kind == KIND_Q5_1) memcpy(g + value_bytes + 32 + 2 * j, block + 2, 2);
         }
     }
 }
@@ -74,7 +116,13 @@ static inline int32_t q8t_quad(const int8_t *q) {
     return v;
 }
 
-/* The 8 tile rows of group g's values (unsigned bytes; row p: values 4p .. 4p + 3 of each output). */
+static inline __mmask64 q8t_mask(const uint8_t *p) {
+    uint64_t bits;
+    memcpy(&bits, p, sizeof bits);
+    return _cvtu64_mask64(bits);
+}
+
+/* The 8 tile rows of a group's values (unsigned bytes; row p: values 4p .. 4p + 3 of each output). */
 static inline __attribute__((always_inline)) void q8t_values(const int KIND, const uint8_t *g, __m512i w[8]) {
     if (KIND == KIND_Q8_0) {
         for (int p = 0; p < 8; p++) w[p] = _mm512_loadu_si512((const void *)(g + 64 * p));
@@ -85,52 +133,102 @@ static inline __attribute__((always_inline)) void q8t_values(const int KIND, con
         const __m512i v = _mm512_loadu_si512((const void *)(g + 64 * p));
         w[p] = _mm512_and_si512(v, low), w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    if (KIND == KIND_Q5_0 || KIND == KIND_Q5_1) {
-        const __m512i fifth = _mm512_set1_epi8(16);
-        for (int p = 0; p < 8; p++) {
-            uint64_t bits;
-            memcpy(&bits, g + 256 + 8 * p, sizeof bits);
-            w[p] = _mm512_mask_add_epi8(w[p], _cvtu64_mask64(bits), w[p], fifth);
-        }
-    }
+    if (q8t_value_bytes(KIND) >= 320)
+        for (int p = 0; p < 8; p++) w[p] = _mm512_mask_add_epi8(w[p], q8t_mask(g + 256 + 8 * p), w[p], _mm512_set1_epi8(16));
+    if (KIND == KIND_Q6_K)
+        for (int p = 0; p < 8; p++) w[p] = _mm512_mask_add_epi8(w[p], q8t_mask(g + 320 + 8 * p), w[p], _mm512_set1_epi8(32));
 }
 
-/* R rows of x (xs) times one strip, every group: acc[r], 16 outputs each. Per group and row, the integer sum starts
-   from minus the weights' zero times x's sum and meets the 8 tile rows; then d * x's d (and m * x's s), in the order
-   the AMX tiles' q8x_add takes them. */
+/* Units (values one scale covers) of a group, and of a block. */
+#define Q8T_UNITS(KIND) ((KIND) == KIND_Q6_K ? 2 : 1)
+#define Q8T_BLOCK_UNITS(KIND) (gguf_block_values(KIND) / 32 * Q8T_UNITS(KIND))
+
+/* Unit v's weight factors for 16 outputs: the scale its sums take (legacy: d; K-quants: d * sub-block scale) and
+   the offset (Q4_1 / Q5_1: m; Q4_K / Q5_K: dmin * sub-block min). */
+static inline __attribute__((always_inline)) void q8t_unit(const int KIND, const uint8_t *strip, int64_t v,
+                                                           __m512 *scale, __m512 *offset) {
+    if (!q8t_k_quant(KIND)) {
+        const uint8_t *g = strip + v * q8t_stride(KIND) + q8t_value_bytes(KIND);
+        *scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+        *offset = gguf_has_offsets(KIND) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32)))
+                                         : _mm512_setzero_ps();
+        return;
+    }
+    const uint8_t *h = strip + v / Q8T_BLOCK_UNITS(KIND) * q8t_stride(KIND);
+    const int64_t i = v % Q8T_BLOCK_UNITS(KIND);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+    if (KIND == KIND_Q6_K) {
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(h + 32 + 16 * i)));
+        *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), *offset = _mm512_setzero_ps();
+        return;
+    }
+    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(h + 64 + 16 * i)));
+    const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(h + 192 + 16 * i)));
+    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    *offset = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 32))), _mm512_cvtepi32_ps(mn));
+}
+
+/* Where row x's integer sum of unit v starts: minus the weights' zero times x's sum over the unit. */
+static inline int32_t q8t_start(const int KIND, const q8_x_t *x, int64_t v) {
+    if (KIND == KIND_Q6_K) return -32 * x->sum16[v];
+    return -q8t_zero(KIND) * x->sum32[v];
+}
+
+/* Row x's exact sum of unit v into acc: legacy kinds with x's d of the block (and m * x's s); K-quants with the
+   weights' scale, less the offset times x's sum, x's d applied once a block (q8t_flush). */
+static inline __attribute__((always_inline)) __m512 q8t_add(const int KIND, __m512i sum, __m512 scale, __m512 offset,
+                                                           const q8_x_t *x, int64_t v, __m512 acc) {
+    if (!q8t_k_quant(KIND)) {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(x->d[v])), acc);
+        return gguf_has_offsets(KIND) ? _mm512_fmadd_ps(offset, _mm512_set1_ps(x->s[v]), acc) : acc;
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+    if (KIND == KIND_Q6_K) return acc;
+    return _mm512_fnmadd_ps(offset, _mm512_set1_ps(x->sum32_f[v]), acc);
+}
+
+/* After a K-quant block's last unit: its sums times x's d into total, acc zeroed. */
+static inline __attribute__((always_inline)) void q8t_flush(const q8_x_t *x, int64_t block, __m512 *acc,
+                                                            __m512 *total) {
+    *total = _mm512_fmadd_ps(*acc, _mm512_set1_ps(x->d[block]), *total);
+    *acc = _mm512_setzero_ps();
+}
+
+/* R rows of x (xs) times one strip, every group: out[r], 16 outputs each. */
 static inline __attribute__((always_inline)) void q8t_rows(const int KIND, const int R, const uint8_t *strip,
-                                                           int64_t groups, const q8_x_t *xs, __m512 acc[]) {
-    const int64_t group_bytes = q8t_group_bytes(KIND), value_bytes = q8t_value_bytes(KIND);
-    const int zero = q8t_zero(KIND), with_min = KIND == KIND_Q4_1 || KIND == KIND_Q5_1;
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+                                                           int64_t groups, const q8_x_t *xs, __m512 out[]) {
+    const int units = Q8T_UNITS(KIND), quads = 8 / units;
+    __m512 acc[Q8V_ROWS], total[Q8V_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = total[r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < groups; u++) {
-        const uint8_t *g = strip + u * group_bytes;
         __m512i w[8];
-        q8t_values(KIND, g, w);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + value_bytes)));
-        const __m512 m = with_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + value_bytes + 32)))
-                                  : _mm512_setzero_ps();
+        q8t_values(KIND, q8t_group(KIND, strip, u), w);
+        __m512 scale[2], offset[2];
+        for (int s = 0; s < units; s++) q8t_unit(KIND, strip, u * units + s, scale + s, offset + s);
         #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const q8_x_t *x = xs + r;
-            __m512i sum = zero ? _mm512_set1_epi32(-zero * (x->sum16[2 * u] + x->sum16[2 * u + 1]))
-                               : _mm512_setzero_si512();
-            #pragma GCC unroll 8
-            for (int p = 0; p < 8; p++) sum = _mm512_dpbusd_epi32(sum, w[p], _mm512_set1_epi32(q8t_quad(x->q + 32 * u + 4 * p)));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x->d[u])), acc[r]);
-            if (with_min) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[u]), acc[r]);
+            for (int s = 0; s < units; s++) {
+                const int64_t v = u * units + s;
+                __m512i sum = _mm512_set1_epi32(q8t_start(KIND, x, v));
+                for (int p = s * quads; p < (s + 1) * quads; p++)
+                    sum = _mm512_dpbusd_epi32(sum, w[p], _mm512_set1_epi32(q8t_quad(x->q + 32 * u + 4 * p)));
+                acc[r] = q8t_add(KIND, sum, scale[s], offset[s], x, v, acc[r]);
+            }
+            if (q8t_k_quant(KIND) && u % 8 == 7) q8t_flush(x, u / 8, acc + r, total + r);
         }
     }
+    for (int r = 0; r < R; r++) out[r] = q8t_k_quant(KIND) ? total[r] : acc[r];
 }
 
 /* count (Q8V_ROWS or a power of two below it) rows of x times one strip. */
-static void q8t_rows_any(int kind, int count, const uint8_t *strip, int64_t groups, const q8_x_t *xs, __m512 acc[]) {
+static void q8t_rows_any(int kind, int count, const uint8_t *strip, int64_t groups, const q8_x_t *xs, __m512 out[]) {
 #define Q8T_COUNTS(K)                                                                                              \
     case K:                                                                                                        \
-        if (count == 8) q8t_rows(K, 8, strip, groups, xs, acc);                                                    \
-        else if (count == 4) q8t_rows(K, 4, strip, groups, xs, acc);                                               \
-        else if (count == 2) q8t_rows(K, 2, strip, groups, xs, acc);                                               \
-        else q8t_rows(K, 1, strip, groups, xs, acc);                                                               \
+        if (count == 8) q8t_rows(K, 8, strip, groups, xs, out);                                                    \
+        else if (count == 4) q8t_rows(K, 4, strip, groups, xs, out);                                               \
+        else if (count == 2) q8t_rows(K, 2, strip, groups, xs, out);                                               \
+        else q8t_rows(K, 1, strip, groups, xs, out);                                                               \
         break;
     switch (kind) { Q8T_EACH_KIND(Q8T_COUNTS) }
 #undef Q8T_COUNTS
@@ -149,9 +247,9 @@ static void q8t_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, 
         for (int64_t m = 0; m < m_total;) {
             int count = Q8V_ROWS;
             while (count > m_total - m) count /= 2;
-            __m512 acc[Q8V_ROWS];
-            q8t_rows_any(w->kind, count, w->data + strip * w->row_bytes, groups, xs + m, acc);
-            for (int r = 0; r < count; r++, m++) _mm512_mask_storeu_ps(out + m * w->n + n0, valid, _mm512_add_ps(acc[r], b));
+            __m512 y[Q8V_ROWS];
+            q8t_rows_any(w->kind, count, w->data + strip * w->row_bytes, groups, xs + m, y);
+            for (int r = 0; r < count; r++, m++) _mm512_mask_storeu_ps(out + m * w->n + n0, valid, _mm512_add_ps(y[r], b));
         }
     }
 }

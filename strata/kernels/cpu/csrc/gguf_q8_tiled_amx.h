@@ -1,89 +1,90 @@
 /* Products with a weight in the tile layout (gguf_q8_tiled.h) on AMX's int8 tiles, from Q8T_MIN_TILE_ROWS rows of x:
-   x's signed q (16 rows by one group of 32) against the layout's unsigned values (tdpbsud), a strip's 4-bit values
-   widened to bytes once per strip, Q8_0's read where they lie. Each group's exact sums then take the same steps as in
-   the VNNI kernels (the weights' zero times x's sum taken off, d * x's d, m * x's s), so a row's output has the same
-   bits through either. Included by gguf_q8.h. */
+   x's signed q (16 rows by one unit: 32 values, Q6_K's 16) against the layout's unsigned values (tdpbsud), a strip's
+   4- to 6-bit values widened to bytes once per strip, Q8_0's read where they lie. Each unit's exact sums then take the
+   same steps as in the VNNI kernels (q8t_start, q8t_add, q8t_flush), so a row's output has the same bits through
+   either. Included by gguf_q8.h. */
 #ifndef STRATA_GGUF_Q8_TILED_AMX_H
 #define STRATA_GGUF_Q8_TILED_AMX_H
 #include "amx_tiles.h"
 
-/* Tiles: 0 and 1 sums (groups in turn), 2 / 4 x's 16 rows of a group, 3 / 5 the strip's values of it. */
-static void q8t_configure(void) {
+/* Tiles: 0 and 1 sums (units in turn), 2 / 4 x's 16 rows of a unit, 3 / 5 the strip's values of it. */
+static void q8t_configure(int unit) {
     tile_config_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 6; t++) c.rows[t] = 16, c.bytes_per_row[t] = 64;
-    c.bytes_per_row[2] = c.bytes_per_row[4] = 32;
-    c.rows[3] = c.rows[5] = 8;
+    c.bytes_per_row[2] = c.bytes_per_row[4] = (uint16_t)unit;
+    c.rows[3] = c.rows[5] = (uint8_t)(unit / 4);
     _tile_loadconfig(&c);
 }
 
-/* Group u's 8 tile rows of the strip as bytes: where they lie (Q8_0), else widened into `widened` [groups][512]. */
-static inline __attribute__((always_inline)) const uint8_t *q8t_group_values(const int KIND, const uint8_t *strip,
-                                                                            int64_t u, const uint8_t *widened) {
-    return KIND == KIND_Q8_0 ? strip + u * q8t_group_bytes(KIND) : widened + 512 * u;
+/* Unit v's tile rows of the strip as bytes: where they lie (Q8_0), else widened into `widened` [groups][512]. */
+static inline __attribute__((always_inline)) const uint8_t *q8t_unit_values(const int KIND, const uint8_t *strip,
+                                                                           int64_t v, const uint8_t *widened) {
+    if (KIND == KIND_Q8_0) return q8t_group(KIND, strip, v);
+    return widened + 512 * (v / Q8T_UNITS(KIND)) + 256 * (v % Q8T_UNITS(KIND));
 }
 
-/* A strip's 4- and 5-bit values widened to one byte each, once for all its rows of x. */
+/* A strip's 4-, 5- and 6-bit values widened to one byte each, once for all its rows of x. */
 static inline __attribute__((always_inline)) void q8t_widen(const int KIND, const uint8_t *strip, int64_t groups,
                                                             uint8_t *widened) {
     if (KIND == KIND_Q8_0) return;
     for (int64_t u = 0; u < groups; u++) {
         __m512i w[8];
-        q8t_values(KIND, strip + u * q8t_group_bytes(KIND), w);
+        q8t_values(KIND, q8t_group(KIND, strip, u), w);
         for (int p = 0; p < 8; p++) _mm512_store_si512(widened + 512 * u + 64 * p, w[p]);
     }
 }
 
-/* Group u's sums (buffer t, rows of 16 outputs) into the first `rows` rows of acc, as q8t_rows takes them. */
+/* Unit v's sums (buffer t, rows of 16 outputs) into the first `rows` rows of acc, as q8t_rows takes them; after a
+   K-quant block's last unit, into total. */
 static inline __attribute__((always_inline)) void q8t_tile_add(const int KIND, const int32_t t[16][16],
-                                                               const uint8_t *strip, int64_t u, const q8_x_t *xs,
-                                                               int rows, __m512 acc[16]) {
-    const int64_t group_bytes = q8t_group_bytes(KIND), value_bytes = q8t_value_bytes(KIND);
-    const int zero = q8t_zero(KIND), with_min = KIND == KIND_Q4_1 || KIND == KIND_Q5_1;
-    const uint8_t *g = strip + u * group_bytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + value_bytes)));
-    const __m512 m = with_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + value_bytes + 32)))
-                              : _mm512_setzero_ps();
+                                                               const uint8_t *strip, int64_t v, const q8_x_t *xs,
+                                                               int rows, __m512 acc[16], __m512 total[16]) {
+    __m512 scale, offset;
+    q8t_unit(KIND, strip, v, &scale, &offset);
+    const int flush = q8t_k_quant(KIND) && (v + 1) % Q8T_BLOCK_UNITS(KIND) == 0;
     #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) {
         if (i >= rows) break;
-        const q8_x_t *x = xs + i;
-        __m512i sum = _mm512_load_si512((const void *)t[i]);
-        if (zero) sum = _mm512_add_epi32(sum, _mm512_set1_epi32(-zero * (x->sum16[2 * u] + x->sum16[2 * u + 1])));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x->d[u])), acc[i]);
-        if (with_min) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[u]), acc[i]);
+        const __m512i sum = _mm512_add_epi32(_mm512_load_si512((const void *)t[i]),
+                                             _mm512_set1_epi32(q8t_start(KIND, xs + i, v)));
+        acc[i] = q8t_add(KIND, sum, scale, offset, xs + i, v, acc[i]);
+        if (flush) q8t_flush(xs + i, v / Q8T_BLOCK_UNITS(KIND), acc + i, total + i);
     }
 }
 
-/* Group u's tile product into sums tile C: x's rows (tile A) against the strip's values (tile B). */
-#define Q8T_ISSUE(C, A, B, u)                                                                                      \
+/* Unit v's tile product into sums tile C: x's rows (tile A) against the strip's values (tile B). */
+#define Q8T_ISSUE(C, A, B, v)                                                                                      \
     do {                                                                                                           \
-        _tile_loadd(A, xq + 32 * (u), stride);                                                                    \
-        _tile_loadd(B, q8t_group_values(KIND, strip, u, widened), 64);                                            \
+        _tile_loadd(A, xq + unit * (v), stride);                                                                  \
+        _tile_loadd(B, q8t_unit_values(KIND, strip, v, widened), 64);                                             \
         _tile_zero(C);                                                                                             \
         _tile_dpbsud(C, A, B);                                                                                     \
     } while (0)
 
 /* Rows xs[0 .. rows) (rows <= 16; their q `stride` bytes apart from xq, the tile's other rows zeros) times one
-   strip, every group, into acc (zeroed here). Two sums tiles in turn: a group's product runs while the one before
-   it is stored and added. */
+   strip, every unit, into out. Two sums tiles in turn: a unit's product runs while the one before it is stored and
+   added. */
 static inline __attribute__((always_inline)) void q8t_tile_rows(const int KIND, const uint8_t *strip,
-                                                                const uint8_t *widened, int64_t groups,
+                                                                const uint8_t *widened, int64_t units,
                                                                 const int8_t *xq, int64_t stride, const q8_x_t *xs,
-                                                                int rows, __m512 acc[16]) {
+                                                                int rows, __m512 out[16]) {
+    const int unit = 32 / Q8T_UNITS(KIND);
     _Alignas(64) int32_t t[2][16][16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    __m512 acc[16], total[16];
+    for (int i = 0; i < 16; i++) acc[i] = total[i] = _mm512_setzero_ps();
     Q8T_ISSUE(0, 2, 3, 0);
-    for (int64_t u = 0; u < groups; u += 2) {
-        if (u + 1 < groups) Q8T_ISSUE(1, 4, 5, u + 1);
+    for (int64_t v = 0; v < units; v += 2) {
+        if (v + 1 < units) Q8T_ISSUE(1, 4, 5, v + 1);
         _tile_stored(0, t[0], 64);
-        if (u > 0) q8t_tile_add(KIND, (const int32_t(*)[16])t[1], strip, u - 1, xs, rows, acc);
-        if (u + 2 < groups) Q8T_ISSUE(0, 2, 3, u + 2);
-        if (u + 1 < groups) _tile_stored(1, t[1], 64);
-        q8t_tile_add(KIND, (const int32_t(*)[16])t[0], strip, u, xs, rows, acc);
+        if (v > 0) q8t_tile_add(KIND, (const int32_t(*)[16])t[1], strip, v - 1, xs, rows, acc, total);
+        if (v + 2 < units) Q8T_ISSUE(0, 2, 3, v + 2);
+        if (v + 1 < units) _tile_stored(1, t[1], 64);
+        q8t_tile_add(KIND, (const int32_t(*)[16])t[0], strip, v, xs, rows, acc, total);
     }
-    if (groups % 2 == 0) q8t_tile_add(KIND, (const int32_t(*)[16])t[1], strip, groups - 1, xs, rows, acc);
+    if (units % 2 == 0) q8t_tile_add(KIND, (const int32_t(*)[16])t[1], strip, units - 1, xs, rows, acc, total);
+    for (int i = 0; i < 16; i++) out[i] = q8t_k_quant(KIND) ? total[i] : acc[i];
 }
 #undef Q8T_ISSUE
 
@@ -97,9 +98,10 @@ static inline __attribute__((always_inline)) void q8t_tile_strip(const int KIND,
     q8t_widen(KIND, values, groups, widened);
     for (int64_t m0 = 0; m0 < m_total; m0 += 16) {
         const int rows = m_total - m0 < 16 ? (int)(m_total - m0) : 16;
-        __m512 acc[16];
-        q8t_tile_rows(KIND, values, widened, groups, xs[0].q + m0 * stride, stride, xs + m0, rows, acc);
-        for (int i = 0; i < rows; i++) _mm512_mask_storeu_ps(out + (m0 + i) * w->n + n0, valid, _mm512_add_ps(acc[i], b));
+        __m512 y[16];
+        q8t_tile_rows(KIND, values, widened, groups * Q8T_UNITS(KIND), xs[0].q + m0 * stride, stride, xs + m0, rows,
+                      y);
+        for (int i = 0; i < rows; i++) _mm512_mask_storeu_ps(out + (m0 + i) * w->n + n0, valid, _mm512_add_ps(y[i], b));
     }
 }
 
@@ -113,12 +115,12 @@ static int q8t_tile_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_tot
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         uint8_t *widened = aligned_alloc(64, (size_t)(w->k / 32 * 512));
-        if (widened) q8t_configure();
+        if (widened) q8t_configure(w->kind == KIND_Q6_K ? 16 : 32);
         else failed = 1;
 #pragma omp for schedule(static)
         for (int64_t strip = 0; strip < strips; strip++) {
             if (failed) continue;
-            switch (w->kind) { /* constant kinds, so each group's steps inline */
+            switch (w->kind) { /* constant kinds, so each unit's steps inline */
 #define Q8T_STRIP(K) case K: q8t_tile_strip(K, w, strip, xs, m_total, stride, bias, widened, out); break;
             Q8T_EACH_KIND(Q8T_STRIP)
 #undef Q8T_STRIP
