@@ -86,7 +86,6 @@ static inline __m256i q8_k_scales_mins(const uint8_t *packed) { return _mm256_cv
 #endif
 #include "gguf_q8_tiled.h" /* after the VNNI kernels */
 #if STRATA_AMX_INT8
-#include "gguf_q8_amx.h" /* after the VNNI kernels, whose weight values it packs */
 #include "gguf_q8_tiled_amx.h"
 #endif
 
@@ -150,16 +149,17 @@ static void q8_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, c
     }
 }
 
-/* out[m_total, n] = x (rounded as above) times a GGUF weight's transpose (+ bias), any number of rows of x: on AMX's
-   int8 tiles from q8x_min_rows rows where the build and the CPU have them, else the weight's rows (tiled: its strips
-   of gguf_q8_tiled.h's layout, AVX-512 VNNI builds only) shared among the threads, each read once for up to
+/* out[m_total, n] = x (rounded as above) times a GGUF weight's transpose (+ bias), any number of rows of x. A weight
+   in the tile layout (tiled; AVX-512 VNNI builds, gguf_q8_tiled.h): on AMX's int8 tiles from Q8T_MIN_TILE_ROWS rows
+   where the build and the CPU have them, else its strips shared among the threads; a weight in its GGUF blocks (the
+   routed experts, builds without the layout): its rows shared among the threads, each read once for up to
    Q8_ROWS_PER_PASS rows of x. Returns 0, -1 when memory ran out, -2 for a kind without these kernels. */
 static int gguf_q8_matmul(const weights_t *w, int tiled, const float *x, int64_t m_total, const float *bias,
                           float *out, int num_threads) {
     if (!q8_has_kernel(w->kind) || (tiled && !(STRATA_AVX512VNNI && q8t_has_layout(w->kind)))) return -2;
     const int per_block = (int)gguf_block_values(w->kind);
 #if STRATA_AMX_INT8
-    const int tiles = m_total >= (tiled ? Q8T_MIN_TILE_ROWS : q8x_min_rows(w->kind)) && amx_permitted();
+    const int tiles = tiled && m_total >= Q8T_MIN_TILE_ROWS && amx_permitted();
 #else
     const int tiles = 0;
 #endif
@@ -173,9 +173,7 @@ static int gguf_q8_matmul(const weights_t *w, int tiled, const float *x, int64_t
     int status = 0;
 #if STRATA_AMX_INT8
     const int64_t stride = (int64_t)q8_row_stride(w->k, per_block);
-    if (tiles)
-        status = tiled ? q8t_tile_multiply(w, xs, m_total, stride, bias, out, num_threads)
-                       : q8x_multiply(w, xs, m_total, stride, bias, out, num_threads);
+    if (tiles) status = q8t_tile_multiply(w, xs, m_total, stride, bias, out, num_threads);
     else
 #endif
 #if STRATA_AVX512VNNI
