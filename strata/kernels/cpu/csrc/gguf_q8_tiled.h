@@ -174,23 +174,31 @@ static inline int32_t q8t_start(const int KIND, const q8_x_t *x, int64_t v) {
     return -q8t_zero(KIND) * x->sum32[v];
 }
 
-/* Row x's exact sum of unit v into acc: legacy kinds with x's d of the block (and m * x's s); K-quants with the
-   weights' scale, less the offset times x's sum, x's d applied once a block (q8t_flush). */
+/* A row's exact sum of unit v into acc: legacy kinds times the weights' d and x's d of the block (*dx), and their m
+   times x's s (*ox); K-quants times the weights' scale, less their offset times x's sum over the unit (*ox), x's d
+   applied once a block (q8t_flush). */
 static inline __attribute__((always_inline)) __m512 q8t_add(const int KIND, __m512i sum, __m512 scale, __m512 offset,
-                                                           const q8_x_t *x, int64_t v, __m512 acc) {
+                                                           const float *dx, const float *ox, __m512 acc) {
     if (!q8t_k_quant(KIND)) {
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(x->d[v])), acc);
-        return gguf_has_offsets(KIND) ? _mm512_fmadd_ps(offset, _mm512_set1_ps(x->s[v]), acc) : acc;
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(*dx)), acc);
+        return gguf_has_offsets(KIND) ? _mm512_fmadd_ps(offset, _mm512_set1_ps(*ox), acc) : acc;
     }
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
-    if (KIND == KIND_Q6_K) return acc;
-    return _mm512_fnmadd_ps(offset, _mm512_set1_ps(x->sum32_f[v]), acc);
+    return gguf_has_offsets(KIND) ? _mm512_fnmadd_ps(offset, _mm512_set1_ps(*ox), acc) : acc;
 }
 
-/* After a K-quant block's last unit: its sums times x's d into total, acc zeroed. */
-static inline __attribute__((always_inline)) void q8t_flush(const q8_x_t *x, int64_t block, __m512 *acc,
-                                                            __m512 *total) {
-    *total = _mm512_fmadd_ps(*acc, _mm512_set1_ps(x->d[block]), *total);
+/* Where q8t_add finds row x's factors of unit v: x's d, and what the weights' offset meets (Q8_1's s, or the sum). */
+static inline const float *q8t_dx(const int KIND, const q8_x_t *x, int64_t v) {
+    return q8t_k_quant(KIND) ? NULL : x->d + v;
+}
+static inline const float *q8t_ox(const int KIND, const q8_x_t *x, int64_t v) {
+    if (!gguf_has_offsets(KIND)) return NULL;
+    return q8t_k_quant(KIND) ? x->sum32_f + v : x->s + v;
+}
+
+/* After a K-quant block's last unit: its sums times x's d of the block into total, acc zeroed. */
+static inline __attribute__((always_inline)) void q8t_flush(float d, __m512 *acc, __m512 *total) {
+    *total = _mm512_fmadd_ps(*acc, _mm512_set1_ps(d), *total);
     *acc = _mm512_setzero_ps();
 }
 
@@ -213,9 +221,9 @@ static inline __attribute__((always_inline)) void q8t_rows(const int KIND, const
                 __m512i sum = _mm512_set1_epi32(q8t_start(KIND, x, v));
                 for (int p = s * quads; p < (s + 1) * quads; p++)
                     sum = _mm512_dpbusd_epi32(sum, w[p], _mm512_set1_epi32(q8t_quad(x->q + 32 * u + 4 * p)));
-                acc[r] = q8t_add(KIND, sum, scale[s], offset[s], x, v, acc[r]);
+                acc[r] = q8t_add(KIND, sum, scale[s], offset[s], q8t_dx(KIND, x, v), q8t_ox(KIND, x, v), acc[r]);
             }
-            if (q8t_k_quant(KIND) && u % 8 == 7) q8t_flush(x, u / 8, acc + r, total + r);
+            if (q8t_k_quant(KIND) && u % 8 == 7) q8t_flush(x->d[u / 8], acc + r, total + r);
         }
     }
     for (int r = 0; r < R; r++) out[r] = q8t_k_quant(KIND) ? total[r] : acc[r];
