@@ -143,7 +143,8 @@ def _tiled(p: BlockWeight, k: int) -> BlockWeight:
     has no kernels for that layout (AVX-512 VNNI builds have) or its type none."""
     if not cpu_kernels_apply(p.data) or not cpu_matmul.available():
         return p
-    tiles = cpu_matmul.tile_for_int8(p.data, gguf_quants.kernel_kind(p.ggml_type), k)
+    tiles = cpu_matmul.tile_for_int8(p.data, gguf_quants.kernel_kind(p.ggml_type), k,
+                                     lambda rows, row_bytes, dtype: huge_page_zeros(rows, row_bytes))
     return p if tiles is None else BlockWeight(p.offset, tiles, p.ggml_type, tiled_rows=p.rows)
 
 

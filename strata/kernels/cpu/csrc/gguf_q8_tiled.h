@@ -209,8 +209,12 @@ static inline __attribute__((always_inline)) void q8t_rows(const int KIND, const
     __m512 acc[Q8V_ROWS], total[Q8V_ROWS];
     for (int r = 0; r < R; r++) acc[r] = total[r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < groups; u++) {
+        const uint8_t *g = q8t_group(KIND, strip, u);
+        if (!q8t_k_quant(KIND)) prefetch_ahead(g, q8t_stride(KIND));
+        else prefetch_ahead(g - (u % 8 == 0 ? q8t_header_bytes(KIND) : 0),
+                            q8t_value_bytes(KIND) + (u % 8 == 0 ? q8t_header_bytes(KIND) : 0));
         __m512i w[8];
-        q8t_values(KIND, q8t_group(KIND, strip, u), w);
+        q8t_values(KIND, g, w);
         __m512 scale[2], offset[2];
         for (int s = 0; s < units; s++) q8t_unit(KIND, strip, u * units + s, scale + s, offset + s);
         #pragma GCC unroll 8
