@@ -1,7 +1,8 @@
 """Layers of a GGUF file kept in their ggml blocks: a linear layer's rows (this rank's outputs, its inputs cut at
 block boundaries) and an embedding table looked up row by row; products through the GGUF kernels of
 `gguf_quants`. A fused layer whose pieces the file stores in different types (Q4_K_M's q/k in Q4_K, v in Q6_K)
-keeps one weight per piece."""
+keeps one weight per piece. With int8 activations, on builds that have it, each product weight is laid out once in
+the int8 kernels' tiles instead (a tied LM head: a copy beside the table's blocks, which lookups read)."""
 from __future__ import annotations
 
 import logging
