@@ -3,8 +3,10 @@
    s = fp16(d * sum q) for Q4_1 / Q5_1) for the legacy kinds, to Q8_K blocks (256 values, float d, q = nearest_int)
    for the K-quants, as ggml-quants.c's quantize_row_q8_{0,1,K}_ref do; then exact integer dot products per block,
    scaled in float once a block (AVX-512 VNNI vpdpbusd: the weights' unsigned q times x's signed q; AVX2's
-   vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd, in gguf_q8_avx2.h; portable C elsewhere). Included by weight_only.c
-   after gguf_matmul.h; kinds KIND_GGUF_Q8 + ggml's type. */
+   vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd, in gguf_q8_avx2.h; portable C elsewhere). A model's product weights
+   on AVX-512 VNNI builds are in the tile layout of gguf_q8_tiled.h instead (its VNNI kernels, and AMX's int8 tiles
+   from 8 rows); the kernels on the blocks serve the routed experts and the other builds. Included by weight_only.c
+   after gguf_matmul.h; kinds KIND_GGUF_Q8 + ggml's type (KIND_GGUF_Q8T + ggml's type: the tile layout). */
 #ifndef STRATA_GGUF_Q8_H
 #define STRATA_GGUF_Q8_H
 #include <math.h>
@@ -156,7 +158,7 @@ static void q8_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, c
    Q8_ROWS_PER_PASS rows of x. Returns 0, -1 when memory ran out, -2 for a kind without these kernels. */
 static int gguf_q8_matmul(const weights_t *w, int tiled, const float *x, int64_t m_total, const float *bias,
                           float *out, int num_threads) {
-    if (!q8_has_kernel(w->kind) || (tiled && !(STRATA_AVX512VNNI && q8t_has_layout(w->kind)))) return -2;
+    if (!q8_has_kernel(w->kind) || (tiled && !STRATA_AVX512VNNI)) return -2;
     const int per_block = (int)gguf_block_values(w->kind);
 #if STRATA_AMX_INT8
     const int tiles = tiled && m_total >= Q8T_MIN_TILE_ROWS && amx_permitted();

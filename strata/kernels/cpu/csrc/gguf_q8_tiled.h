@@ -17,9 +17,7 @@ enum { KIND_GGUF_Q8T = 96 }; /* + ggml's type: that GGUF kind in the tile layout
 /* Rows of x from which a tiled weight's products take the AMX tiles (fewer: the VNNI kernels here). */
 #define Q8T_MIN_TILE_ROWS 8
 
-#define Q8T_EACH_KIND(M) Q8_EACH_KIND(M)
-
-static inline int q8t_has_layout(int kind) { return q8_has_kernel(kind); }
+/* Every kind with int8-activation kernels (Q8_EACH_KIND) has this layout. */
 
 static inline int q8t_k_quant(int kind) { return gguf_block_values(kind) == QK_K; }
 
@@ -242,7 +240,7 @@ static void q8t_rows_any(int kind, int count, const uint8_t *strip, int64_t grou
         else if (count == 2) q8t_rows(K, 2, strip, groups, xs, out);                                               \
         else q8t_rows(K, 1, strip, groups, xs, out);                                                               \
         break;
-    switch (kind) { Q8T_EACH_KIND(Q8T_COUNTS) }
+    switch (kind) { Q8_EACH_KIND(Q8T_COUNTS) }
 #undef Q8T_COUNTS
 }
 

@@ -156,7 +156,7 @@ static int q8t_tile_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_tot
             if (failed) continue;
             switch (w->kind) { /* constant kinds, so each unit's steps inline */
 #define Q8T_STRIP(K) case K: q8t_tile_strip(K, w, strip, xs, m_total, stride, bias, &f, widened, starts, out); break;
-            Q8T_EACH_KIND(Q8T_STRIP)
+            Q8_EACH_KIND(Q8T_STRIP)
 #undef Q8T_STRIP
             }
         }
