@@ -33,7 +33,7 @@ def test_int8_reaches_every_gguf_layer_and_its_products_round_x(gguf_tied_q4_1, 
         # the tied head: its table stays in blocks for lookups; products read it (or, where the build has the tile
         # layout, a tiled copy of it: gguf_q8_tiled.h) with x rounded to 8 bits
         head = next(m for m in layers if isinstance(m, ParallelLMHead))
-        [table], [w] = head.quant.table, head.quant.weights
+        table, [w] = head.quant.table_blocks(), head.quant.weights
         x = torch.randn(3, head.quant.k, generator=torch.Generator().manual_seed(0))
         y = head.quant.apply(head, x, None)
         int8 = gguf_quants.gguf_linear(x, table.data, table.ggml_type, head.quant.k, activations="int8")

@@ -114,8 +114,7 @@ class FusedDecodeForward:
     def _table(self) -> tuple[torch.Tensor, int, int] | None:
         """(table, its kernel kind for rows in ggml blocks or 0 for float32 / bfloat16 rows, bytes per row)."""
         if isinstance(self.embedding.quant, GGUFMethod):
-            self.embedding.quant._ready()
-            [weight] = self.embedding.quant.table
+            weight = self.embedding.quant.table_blocks()
             return weight.data, gguf_quants.kernel_kind(weight.ggml_type), weight.data.stride(0)
         table = self.embedding.weight
         if self.embedding.quant is not None or table.dtype not in _TABLE_DTYPES or not table.is_contiguous() \

@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from strata.host_memory import huge_page_zeros
 from strata.kernels.cpu import abi, build, cpu_kernels_apply
 from strata.kernels.cpu.abi import I32, I64, PTR
 
@@ -137,10 +138,10 @@ def round_rows(x: torch.Tensor, per_block: int) -> torch.Tensor:
     return out
 
 
-def tile_for_int8(weight: torch.Tensor, kind: int, k: int, allocate=torch.empty) -> torch.Tensor | None:
+def tile_for_int8(weight: torch.Tensor, kind: int, k: int) -> torch.Tensor | None:
     """A GGUF weight uint8 [N, row bytes] of `kind` (abi.KIND_GGUF + ggml's type) laid out once in the int8 kernels'
-    tiles (gguf_q8_tiled.h): uint8 [ceil(N / 16), strip bytes] from allocate(rows, bytes, dtype=torch.uint8), for
-    `matmul` as abi.KIND_GGUF_Q8T + ggml's type. None where this build has no kernels for that layout (they need
+    tiles (gguf_q8_tiled.h): uint8 [ceil(N / 16), strip bytes], on huge pages as the blocks are (decode streams it),
+    for `matmul` as abi.KIND_GGUF_Q8T + ggml's type. None where this build has no kernels for that layout (they need
     AVX-512 VNNI) or the kind has none."""
     lib = weight_only_library()
     if lib is None:
@@ -149,7 +150,7 @@ def tile_for_int8(weight: torch.Tensor, kind: int, k: int, allocate=torch.empty)
     if strip_bytes < 0:
         return None
     n = weight.shape[0]
-    out = allocate((n + 15) // 16, strip_bytes, dtype=torch.uint8)
+    out = huge_page_zeros((n + 15) // 16, strip_bytes)
     _check_status(lib.q8_tile_weight(weight.data_ptr(), weight.stride(0) * weight.element_size(), n, k, kind,
                                      out.data_ptr(), torch.get_num_threads()), kind, k)
     return out

@@ -98,10 +98,8 @@ class GGUFMethod:
         self.weights, self.loaded = pieces, []
         for p in pieces:
             rows = crossovers.SMALL_BATCH_GGUF
-            if p.tiled_rows:  # the int8 kernels take every row count
-                self.small_rows[p.ggml_type] = rows
-                continue
-            if cpu_kernels_apply(p.data):  # measured once (and cached) per type and shape
+            # measured once (and cached) per type and shape; the int8 kernels take every row count
+            if self.activations == "float" and cpu_kernels_apply(p.data):
                 operands = {"weight": p.data, "kind": gguf_quants.kernel_kind(p.ggml_type), "out_features": p.rows}
                 rows = crossovers.choose(operands, self.k)
             self.small_rows[p.ggml_type] = rows
@@ -121,10 +119,17 @@ class GGUFMethod:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (local to this rank's vocabulary slice) of an embedding table, float32."""
-        self._ready()
-        [w] = self.table
+        w = self.table_blocks()
         rows = gguf_quants.embedding_rows(w.data, w.ggml_type, self.k, ids.reshape(-1))
         return rows.view(*ids.shape, self.k)
+
+    def table_blocks(self) -> BlockWeight:
+        """An embedding table's blocks, which lookups read (a tied head's products may read a tiled copy)."""
+        self._ready()
+        if self.table is None:
+            raise RuntimeError(f"{self.name}: not an embedding table")
+        [w] = self.table
+        return w
 
     def _ready(self) -> list[BlockWeight]:
         if self.weights is None:
@@ -144,8 +149,7 @@ def _tiled(p: BlockWeight, k: int) -> BlockWeight:
     has no kernels for that layout (AVX-512 VNNI builds have) or its type none."""
     if not cpu_kernels_apply(p.data) or not cpu_matmul.available():
         return p
-    tiles = cpu_matmul.tile_for_int8(p.data, gguf_quants.kernel_kind(p.ggml_type), k,
-                                     lambda rows, row_bytes, dtype: huge_page_zeros(rows, row_bytes))
+    tiles = cpu_matmul.tile_for_int8(p.data, gguf_quants.kernel_kind(p.ggml_type), k)
     return p if tiles is None else BlockWeight(p.offset, tiles, p.ggml_type, tiled_rows=p.rows)
 
 

@@ -18,7 +18,6 @@ from strata.layers.quantization import gguf_quants
 INT8_TYPES = (gp.Q4_0, gp.Q4_1, gp.Q5_0, gp.Q5_1, gp.Q8_0, gp.Q4_K, gp.Q5_K, gp.Q6_K)
 NAMES = {t: gguf_quants.TYPES[t].name for t in INT8_TYPES}
 _WITH_MIN = (gp.Q4_1, gp.Q5_1)
-TILED_TYPES = INT8_TYPES  # the kinds with a tile layout (AVX-512 VNNI builds): all of them
 
 
 def _round_q8_32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -125,7 +124,7 @@ def test_each_c_build_equals_the_rounded_reference(build, tmp_path, monkeypatch)
     with forced_build(build, tmp_path, monkeypatch):
         for qtype in INT8_TYPES:
             ks = (512, 768) if gguf_quants.TYPES[qtype].values_per_block == 256 else (160, 96)
-            tiled = qtype in TILED_TYPES and build in ("avx512_vnni", "amx_int8")
+            tiled = build in ("avx512_vnni", "amx_int8")  # every int8 type has the layout there
             assert (_tiles(gp.random_blocks(qtype, 3, ks[0]), qtype, ks[0]) is not None) == tiled
             for product in (_product, _tiled_product) if tiled else (_product,):
                 for k in ks:
@@ -232,7 +231,7 @@ needs_tiles = pytest.mark.skipif(_tiles(gp.random_blocks(gp.Q4_0, 1, 32), gp.Q4_
 
 
 @needs_tiles
-@pytest.mark.parametrize("qtype", TILED_TYPES, ids=NAMES.get)
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=NAMES.get)
 def test_tiled_weights_equal_float64_of_llama_cpp_rounded_x_for_1_to_20_and_70_rows(qtype):
     """The layout loaded layers hold on AVX-512 VNNI builds: 21 outputs (a last strip of 5), odd group or block counts,
     rows through the VNNI kernels' passes of 8, 4, 2, 1 and, from 8 rows where the CPU has them, AMX's tiles (70 rows:
@@ -247,7 +246,7 @@ def test_tiled_weights_equal_float64_of_llama_cpp_rounded_x_for_1_to_20_and_70_r
 def test_tiled_rows_have_the_same_bits_alone_or_among_any_rows():
     """A decode row and a verification step's rows, on the VNNI kernels or (from 8 rows) the tiles, take one
     arithmetic: each row's product is the same float32, bit for bit, whatever rows share it."""
-    for qtype in TILED_TYPES:
+    for qtype in INT8_TYPES:
         k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160
         data = gp.random_blocks(qtype, 37, k, 5)
         x = torch.randn(20, k, generator=torch.Generator().manual_seed(4))

@@ -394,7 +394,7 @@ def _verification_step(requests, num_heads, num_kv_heads, head_dim, seed):
     ([(40, 5), (700, 9), (17, 1)], 2, 128, None),  # three requests, one a plain decode row among them
     ([(900, 6)], 1, 256, 600),  # Gemma 3's one KV head, a sliding window: each row's first key one later
     ([(130, 4), (250, 3)], 2, 24, None)])  # heads the vector loops do not take
-def test_a_requests_rows_of_one_step_attend_their_own_keys_with_the_bits_of_each_row_alone(
+def test_a_requests_rows_of_one_step_attend_their_own_keys_with_the_bits_of_their_decode_steps(
         four_threads, dtype, requests, num_kv_heads, head_dim, window):
     """A verification step's rows of one request read each key once for all of them (decode_attention_runs.h): each
     row equals attention over its own keys, and has the bits it has in a decode step of the same requests (one row

@@ -53,7 +53,7 @@ static inline __attribute__((always_inline)) __m512i weight_run(const int KIND, 
                    scales, offsets);
     scale[0] = scales[0], scale[1] = scales[1];
     /* Q4_0, Q5_0 and Q6_K subtract a whole 8, 16 or 32 from q, which bfloat16 holds: no offset left */
-    const float minus = KIND == KIND_Q4_0 ? 8.f : KIND == KIND_Q5_0 ? 16.f : KIND == KIND_Q6_K ? 32.f : 0.f;
+    const float minus = (float)gguf_zero(KIND);
     *offset = gguf_has_offsets(KIND) ? offsets[0] : 0.f;
     return bf16_of_bytes(q[0], q[1], KIND == KIND_Q8_0, _mm512_set1_ps(minus));
 }

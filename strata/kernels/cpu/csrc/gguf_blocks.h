@@ -39,13 +39,19 @@ static inline int gguf_dense_kind(int kind) {
     return kind == KIND_GGUF_F32 ? KIND_F32 : kind == KIND_GGUF_BF16 ? KIND_BF16 : kind;
 }
 
-/* Values in one block of a quantized GGUF kind; 0 for any other kind. */
 /* GGUF kinds whose values are q * scale + an offset that is not a whole multiple of the scale (Q4_1 / Q5_1's m, the
    K-quants' -dmin * mn): a group's sum of x times the offset joins each output. */
 static inline int gguf_has_offsets(int kind) {
     return kind == KIND_Q4_1 || kind == KIND_Q5_1 || kind == KIND_Q4_K || kind == KIND_Q5_K;
 }
 
+/* The whole number a kind's stored q exceed its signed values by (a multiple of the scale): Q4_0's 8, Q5_0's 16,
+   Q6_K's 32; 0 for the others. */
+static inline int gguf_zero(int kind) {
+    return kind == KIND_Q4_0 ? 8 : kind == KIND_Q5_0 ? 16 : kind == KIND_Q6_K ? 32 : 0;
+}
+
+/* Values in one block of a quantized GGUF kind; 0 for any other kind. */
 static inline int64_t gguf_block_values(int kind) {
     switch (kind) {
     case KIND_Q4_0: case KIND_Q4_1: case KIND_Q5_0: case KIND_Q5_1: case KIND_Q8_0: return 32;

@@ -44,8 +44,7 @@ static inline float q8_block_portable(int kind, const uint8_t *block, int64_t b,
         const int32_t xsum = x->sum16[2 * b] + x->sum16[2 * b + 1];
         const float d = half_at(block);
         if (kind == KIND_Q4_1 || kind == KIND_Q5_1) return d * x->d[b] * (float)sum + half_at(block + 2) * x->s[b];
-        const int off = kind == KIND_Q4_0 ? 8 : kind == KIND_Q5_0 ? 16 : 0;
-        return d * x->d[b] * (float)(sum - off * xsum);
+        return d * x->d[b] * (float)(sum - gguf_zero(kind) * xsum);
     }
     int32_t total = 0, mins = 0;
     for (int j = 0; j < 8; j++) { /* 32-value runs */
@@ -121,7 +120,8 @@ static int q8_prepare(const float *x, int64_t m_total, int64_t m_alloc, int64_t 
     *buffer = base;
     memset(base + stride * (size_t)m_total, 0, stride * (size_t)(m_alloc - m_total));
     for (int64_t m = 0; m < m_total; m++) xs[m] = q8_at(base + stride * (size_t)m, k, per_block);
-#pragma omp parallel for schedule(static) if (m_total * k >= (1 << 16)) /* a verification step's rows: less than a fork costs */
+    /* threads from 64 Ki values: a verification step's rows round in less time than a fork costs */
+#pragma omp parallel for schedule(static) if (m_total * k >= (1 << 16))
     for (int64_t m = 0; m < m_total; m++) q8_round_row(x + m * k, k, per_block, xs + m);
     return 0;
 }

@@ -151,7 +151,10 @@ static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
     else q8_round_row_256(x, k, p);
     for (int64_t i = 0; i < k / 16; i++)
         p->sum16[i] = p->lanes[4 * i] + p->lanes[4 * i + 1] + p->lanes[4 * i + 2] + p->lanes[4 * i + 3];
-    for (int64_t i = 0; i < k / 32; i++) p->sum32[i] = p->sum16[2 * i] + p->sum16[2 * i + 1], p->sum32_f[i] = (float)p->sum32[i];
+    for (int64_t i = 0; i < k / 32; i++) {
+        p->sum32[i] = p->sum16[2 * i] + p->sum16[2 * i + 1];
+        p->sum32_f[i] = (float)p->sum32[i];
+    }
 #if STRATA_AVX512VNNI
     for (int64_t i = 0; i < k; i++) p->uq[i] = (uint8_t)(p->q[i] + 128);
     for (int64_t i = 0; i < k / 16; i++) p->sum16_d[i] = (float)p->sum16[i] * p->d[16 * i / per_block];
@@ -164,8 +167,8 @@ static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
 
 /* Bytes of one rounded row of x (q8_x_t's arrays, 64-byte aligned): what q8_at lays out. */
 static inline size_t q8_row_stride(int64_t k, int per_block) {
-    const size_t per_row = 2 * (size_t)k + sizeof(float) * (size_t)(2 * (k / per_block) + 2 * (k / 4) + k / 16 + k / 32) +
-                           sizeof(int32_t) * (size_t)(k / 4 + k / 16 + k / 32);
+    const size_t floats = (size_t)(2 * (k / per_block) + 2 * (k / 4) + k / 16 + k / 32);
+    const size_t per_row = 2 * (size_t)k + sizeof(float) * floats + sizeof(int32_t) * (size_t)(k / 4 + k / 16 + k / 32);
     return (per_row + 63) / 64 * 64;
 }
 

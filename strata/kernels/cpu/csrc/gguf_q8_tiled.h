@@ -18,7 +18,6 @@ enum { KIND_GGUF_Q8T = 96 }; /* + ggml's type: that GGUF kind in the tile layout
 #define Q8T_MIN_TILE_ROWS 8
 
 /* Every kind with int8-activation kernels (Q8_EACH_KIND) has this layout. */
-
 static inline int q8t_k_quant(int kind) { return gguf_block_values(kind) == QK_K; }
 
 /* Bytes of a group's values, of a K-quant block's header, and of a group (legacy) or a block (K-quants). */
@@ -35,16 +34,8 @@ static inline int64_t q8t_stride(int kind) {
     return q8t_k_quant(kind) ? q8t_header_bytes(kind) + 8 * q8t_value_bytes(kind) : 16 * gguf_block_bytes(kind);
 }
 
-/* What the stored values exceed the signed ones by. */
-static inline int q8t_zero(int kind) {
-    switch (kind) {
-    case KIND_Q4_0: return 8;
-    case KIND_Q5_0: return 16;
-    case KIND_Q8_0: return 128;
-    case KIND_Q6_K: return 32;
-    default: return 0;
-    }
-}
+/* What the layout's unsigned values exceed the signed ones by: the kind's zero, Q8_0's 128. */
+static inline int q8t_zero(int kind) { return kind == KIND_Q8_0 ? 128 : gguf_zero(kind); }
 
 /* A strip's bytes for rows of k values (a whole number of the kind's blocks). */
 static inline int64_t q8t_strip_bytes(int kind, int64_t k) { return k / gguf_block_values(kind) * q8t_stride(kind); }
@@ -131,10 +122,12 @@ static inline __attribute__((always_inline)) void q8t_values(const int KIND, con
         const __m512i v = _mm512_loadu_si512((const void *)(g + 64 * p));
         w[p] = _mm512_and_si512(v, low), w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    if (q8t_value_bytes(KIND) >= 320)
-        for (int p = 0; p < 8; p++) w[p] = _mm512_mask_add_epi8(w[p], q8t_mask(g + 256 + 8 * p), w[p], _mm512_set1_epi8(16));
-    if (KIND == KIND_Q6_K)
-        for (int p = 0; p < 8; p++) w[p] = _mm512_mask_add_epi8(w[p], q8t_mask(g + 320 + 8 * p), w[p], _mm512_set1_epi8(32));
+    for (int bit = 4; bit < 6; bit++) { /* the fifth bits (Q5_*, Q6_K) and sixth (Q6_K), a mask a row */
+        if (q8t_value_bytes(KIND) < 256 + 64 * (bit - 3)) break;
+        const __m512i add = _mm512_set1_epi8((char)(1 << bit));
+        for (int p = 0; p < 8; p++)
+            w[p] = _mm512_mask_add_epi8(w[p], q8t_mask(g + 256 + 64 * (bit - 4) + 8 * p), w[p], add);
+    }
 }
 
 /* Units (values one scale covers) of a group, and of a block. */
@@ -168,7 +161,7 @@ static inline __attribute__((always_inline)) void q8t_unit(const int KIND, const
 
 /* Where row x's integer sum of unit v starts: minus the weights' zero times x's sum over the unit. */
 static inline int32_t q8t_start(const int KIND, const q8_x_t *x, int64_t v) {
-    if (KIND == KIND_Q6_K) return -32 * x->sum16[v];
+    if (KIND == KIND_Q6_K) return -q8t_zero(KIND) * x->sum16[v]; /* units of 16 */
     return -q8t_zero(KIND) * x->sum32[v];
 }
 
@@ -259,7 +252,8 @@ static void q8t_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, 
             while (count > m_total - m) count /= 2;
             __m512 y[Q8V_ROWS];
             q8t_rows_any(w->kind, count, w->data + strip * w->row_bytes, groups, xs + m, y);
-            for (int r = 0; r < count; r++, m++) _mm512_mask_storeu_ps(out + m * w->n + n0, valid, _mm512_add_ps(y[r], b));
+            for (int r = 0; r < count; r++, m++)
+                _mm512_mask_storeu_ps(out + m * w->n + n0, valid, _mm512_add_ps(y[r], b));
         }
     }
 }
