@@ -142,7 +142,7 @@ def tile_for_int8(weight: torch.Tensor, kind: int, k: int) -> torch.Tensor | Non
     """A GGUF weight uint8 [N, row bytes] of `kind` (abi.KIND_GGUF + ggml's type) laid out once in the int8 kernels'
     tiles (gguf_q8_tiled.h): uint8 [ceil(N / 16), strip bytes], on huge pages as the blocks are (decode streams it),
     for `matmul` as abi.KIND_GGUF_Q8T + ggml's type. None where this build has no kernels for that layout (they need
-    AVX-512 VNNI) or the kind has none."""
+    AVX2) or the kind has none."""
     lib = weight_only_library()
     if lib is None:
         return None

@@ -146,7 +146,7 @@ class GGUFMethod:
 
 def _tiled(p: BlockWeight, k: int) -> BlockWeight:
     """A piece in the int8 kernels' tile layout (made once, its blocks then freed), or as it is where this build
-    has no kernels for that layout (AVX-512 VNNI builds have) or its type none."""
+    has no kernels for that layout (AVX2 and AVX-512 builds have) or its type none."""
     if not cpu_kernels_apply(p.data) or not cpu_matmul.available():
         return p
     tiles = cpu_matmul.tile_for_int8(p.data, gguf_quants.kernel_kind(p.ggml_type), k)

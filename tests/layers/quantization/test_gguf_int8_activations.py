@@ -9,7 +9,7 @@ import gguf_packing as gp
 import numpy as np
 import pytest
 import torch
-from c_builds import forced_build
+from c_builds import cpu_flags, forced_build
 
 from strata.errors import ConfigError
 from strata.kernels.cpu import matmul as cpu_matmul
@@ -82,7 +82,7 @@ def _tiles(data: np.ndarray, qtype: int, k: int) -> torch.Tensor | None:
 def _tiled_product(x: torch.Tensor, data: np.ndarray, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same product with the weight laid out as a loaded layer holds it (the build must have the layout)."""
     tiles = _tiles(data, qtype, x.shape[1])
-    assert tiles is not None, f"no tile layout for {NAMES[qtype]} in an AVX-512 VNNI build"
+    assert tiles is not None, f"no tile layout for {NAMES[qtype]} in this build"
     return gguf_quants.tiled_linear(x, tiles, qtype, x.shape[1], data.shape[0], bias)
 
 
@@ -115,16 +115,17 @@ def test_int8_product_equals_float64_of_llama_cpp_rounded_x_for_1_to_13_and_70_r
             _check(qtype, m, k, seed=m + k, what=f"{NAMES[qtype]} k={k}, {m} rows", bias=m == 3)
 
 
-@pytest.mark.parametrize("build", ["portable", "avx2", "avx2_vnni", "avx512_vnni", "amx_int8"])
+@pytest.mark.parametrize("build", ["portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "amx_int8"])
 def test_each_c_build_equals_the_rounded_reference(build, tmp_path, monkeypatch):
-    """AVX2 runs the vpmaddubsw kernels (gguf_q8_avx2.h), AVX2 with AVX-VNNI their 256-bit vpdpbusd form, AVX-512
-    VNNI the 512-bit kernels; odd block counts (a legacy row's last block alone, a K-quant row's odd block), several
-    rows of x, and a prefill-sized batch past one pass of 64 rows. The AVX-512 VNNI builds also read the tile layout
-    (its VNNI kernels, and AMX's tiles from 8 rows); the others have none, so layers keep their blocks there."""
+    """AVX2 runs the vpmaddubsw kernels (gguf_q8_avx2.h), AVX2 with AVX-VNNI their 256-bit vpdpbusd form (AVX-512
+    without VNNI AVX2's), AVX-512 VNNI the 512-bit kernels; odd block counts (a legacy row's last block alone, a
+    K-quant row's odd block), several rows of x, and a prefill-sized batch past one pass of 64 rows. Every build but
+    the portable one also reads the tile layout (AVX2's int16 sums, AVX-512 VNNI's kernels, AMX's tiles from 8
+    rows); portable layers keep their blocks."""
     with forced_build(build, tmp_path, monkeypatch):
         for qtype in INT8_TYPES:
             ks = (512, 768) if gguf_quants.TYPES[qtype].values_per_block == 256 else (160, 96)
-            tiled = build in ("avx512_vnni", "amx_int8")  # every int8 type has the layout there
+            tiled = build != "portable"  # every int8 type has the layout there
             assert (_tiles(gp.random_blocks(qtype, 3, ks[0]), qtype, ks[0]) is not None) == tiled
             for product in (_product, _tiled_product) if tiled else (_product,):
                 for k in ks:
@@ -227,7 +228,7 @@ def test_a_nan_in_x_is_read_without_reading_past_its_block():
 
 
 needs_tiles = pytest.mark.skipif(_tiles(gp.random_blocks(gp.Q4_0, 1, 32), gp.Q4_0, 32) is None,
-                                 reason="this build has no tile layout (it needs AVX-512 VNNI)")
+                                 reason="this build has no tile layout (it needs AVX2)")
 
 
 @needs_tiles
@@ -253,6 +254,31 @@ def test_tiled_rows_have_the_same_bits_alone_or_among_any_rows():
         alone = torch.cat([_tiled_product(x[i:i + 1], data, qtype) for i in range(20)])
         for m in (2, 5, 8, 9, 16, 20):
             assert torch.equal(_tiled_product(x[:m], data, qtype), alone[:m]), f"{NAMES[qtype]}, {m} rows"
+
+
+@pytest.mark.parametrize("build", ["avx2", "avx2_vnni", "avx512"])
+def test_avx2_tiled_rows_have_the_same_bits_alone_or_among_any_rows_as_the_vnni_kernels(build, tmp_path, monkeypatch):
+    """AVX2's kernels on the layout (int16 sums over several rows of a group, or AVX-VNNI's int32 ones; half a strip
+    a register; a strip's values made bytes once from 8 rows) make the VNNI kernels' integers and take their float
+    steps lane by lane: each row's product is the same float32 alone or among any rows (up to 20: passes of 2 and
+    1, a last strip of 5 outputs), and, where this CPU has AVX-512 VNNI, that build's."""
+    cases = []
+    for qtype in INT8_TYPES:
+        k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160
+        x = torch.randn(20, k, generator=torch.Generator().manual_seed(4))
+        cases.append((qtype, gp.random_blocks(qtype, 37, k, 5), x))
+    alone = {}
+    with forced_build(build, tmp_path, monkeypatch):
+        for qtype, data, x in cases:
+            alone[qtype] = torch.cat([_tiled_product(x[i:i + 1], data, qtype) for i in range(20)])
+            for m in (2, 3, 5, 8, 9, 20):
+                assert torch.equal(_tiled_product(x[:m], data, qtype), alone[qtype][:m]), f"{NAMES[qtype]}, {m} rows"
+    if "avx512_vnni" not in cpu_flags():
+        return
+    with forced_build("avx512_vnni", tmp_path, monkeypatch):
+        for qtype, data, x in cases:
+            for m in (1, 7, 20):
+                assert torch.equal(_tiled_product(x[:m], data, qtype), alone[qtype][:m]), f"{NAMES[qtype]}, {m} rows"
 
 
 @needs_tiles

@@ -4,8 +4,9 @@
    for the K-quants, as ggml-quants.c's quantize_row_q8_{0,1,K}_ref do; then exact integer dot products per block,
    scaled in float once a block (AVX-512 VNNI vpdpbusd: the weights' unsigned q times x's signed q; AVX2's
    vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd, in gguf_q8_avx2.h; portable C elsewhere). A model's product weights
-   on AVX-512 VNNI builds are in the tile layout of gguf_q8_tiled.h instead (its VNNI kernels, and AMX's int8 tiles
-   from 8 rows); the kernels on the blocks serve the routed experts and the other builds. Included by weight_only.c
+   on AVX2 and AVX-512 builds are in the tile layout of gguf_q8_tiled.h instead (its VNNI kernels and AMX's int8
+   tiles from 8 rows; AVX2's in gguf_q8_tiled_avx2.h); the kernels on the blocks serve the routed experts and the
+   portable builds. Included by weight_only.c
    after gguf_matmul.h; kinds KIND_GGUF_Q8 + ggml's type (KIND_GGUF_Q8T + ggml's type: the tile layout). */
 #ifndef STRATA_GGUF_Q8_H
 #define STRATA_GGUF_Q8_H
@@ -152,13 +153,13 @@ static void q8_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, c
 }
 
 /* out[m_total, n] = x (rounded as above) times a GGUF weight's transpose (+ bias), any number of rows of x. A weight
-   in the tile layout (tiled; AVX-512 VNNI builds, gguf_q8_tiled.h): on AMX's int8 tiles from Q8T_MIN_TILE_ROWS rows
+   in the tile layout (tiled; AVX2 builds and up, gguf_q8_tiled.h): on AMX's int8 tiles from Q8T_MIN_TILE_ROWS rows
    where the build and the CPU have them, else its strips shared among the threads; a weight in its GGUF blocks (the
    routed experts, builds without the layout): its rows shared among the threads, each read once for up to
    Q8_ROWS_PER_PASS rows of x. Returns 0, -1 when memory ran out, -2 for a kind without these kernels. */
 static int gguf_q8_matmul(const weights_t *w, int tiled, const float *x, int64_t m_total, const float *bias,
                           float *out, int num_threads) {
-    if (!q8_has_kernel(w->kind) || (tiled && !STRATA_AVX512VNNI)) return -2;
+    if (!q8_has_kernel(w->kind) || (tiled && !STRATA_AVX2)) return -2;
     const int per_block = (int)gguf_block_values(w->kind);
 #if STRATA_AMX_INT8
     const int tiles = tiled && m_total >= Q8T_MIN_TILE_ROWS && amx_permitted();
@@ -178,7 +179,7 @@ static int gguf_q8_matmul(const weights_t *w, int tiled, const float *x, int64_t
     if (tiles) status = q8t_tile_multiply(w, xs, m_total, stride, bias, out, num_threads);
     else
 #endif
-#if STRATA_AVX512VNNI
+#if STRATA_AVX2
     if (tiled) q8t_multiply(w, xs, m_total, bias, out, num_threads);
     else
 #endif

@@ -1,18 +1,24 @@
-/* GGUF weights laid out once, at load, for the int8-activation kernels (quantized_activations=int8 on AVX-512 VNNI
-   builds), as llama.cpp's repack does: 16 outputs a strip, each group of 32 values as the 8 rows of 64 bytes that an
+/* GGUF weights laid out once, at load, for the int8-activation kernels (quantized_activations=int8 on AVX2 builds
+   and up), as llama.cpp's repack does: 16 outputs a strip, each group of 32 values as the 8 rows of 64 bytes that an
    AMX int8 tile holds (row p: the values 4p .. 4p + 3 of each output in turn), 4-bit values two rows a byte, a fifth
-   (and Q6_K's sixth) bit a 64-bit mask a row, values unsigned (Q4_0 / Q5_0 / Q8_0 / Q6_K: q + 8 / 16 / 128 / 32, the
-   weights' zero taken off through x's sums). The legacy kinds' groups end with their 16 outputs' fp16 d (and m):
-   16 times a block's bytes. A K-quant block's 8 groups follow a header of the 16 outputs' fp16 d (and dmin) and their
-   sub-blocks' scales (and mins) as bytes, [sub-block][output]. One layout serves the VNNI kernels here (vpdpbusd:
-   16 outputs a register, x's 4 bytes broadcast, any rows of x) and the AMX tiles (gguf_q8_tiled_amx.h, which widens
-   it to bytes without the per-product packing), with the same integer sums and the same float steps in both: a row
-   of x gets the same bits whatever rows share its product. A unit is what one scale covers (32 values; Q6_K's 16).
+   (and Q6_K's sixth) bit a 64-bit mask a row (AVX2 builds: Q6_K's two as Q8T_HIGH_PLANES), values unsigned (Q4_0 /
+   Q5_0 / Q8_0 / Q6_K: q + 8 / 16 / 128 / 32, the weights' zero taken off through x's sums). The legacy kinds'
+   groups end with their 16 outputs' fp16 d (and m): 16 times a block's bytes. A K-quant block's 8 groups follow a
+   header of the 16 outputs' fp16 d (and dmin) and their sub-blocks' scales (and mins) as bytes, [sub-block][output].
+   One layout serves the VNNI kernels here (vpdpbusd: 16 outputs a register, x's 4 bytes broadcast, any rows of x) and
+   the AMX tiles (gguf_q8_tiled_amx.h, which widens it to bytes without the per-product packing), and AVX2's
+   (gguf_q8_tiled_avx2.h), with the same integer sums and the same float steps in each: a row of x gets the same bits
+   whatever rows share its product, and whichever of them the build has. A unit is what one scale covers (32 values;
+   Q6_K's 16).
    Included by gguf_q8.h. */
 #ifndef STRATA_GGUF_Q8_TILED_H
 #define STRATA_GGUF_Q8_TILED_H
 
 enum { KIND_GGUF_Q8T = 96 }; /* + ggml's type: that GGUF kind in the tile layout, products with x rounded to 8 bits */
+
+/* Q6_K's two high bits on AVX2 builds without AVX-512 (no mask registers): a byte per value of 4 rows, 2 bits a row
+   (bits 2 * (p % 4), in the plane of rows p / 4), where the masks would take 12 instructions a row to spread. */
+#define Q8T_HIGH_PLANES (STRATA_AVX2 && !STRATA_AVX512VNNI)
 
 /* Rows of x from which a tiled weight's products take the AMX tiles (fewer: the VNNI kernels here). */
 #define Q8T_MIN_TILE_ROWS 8
@@ -55,6 +61,10 @@ static void q8t_put_values(int kind, const int q[32], int j, uint8_t *g) {
             continue;
         }
         g[64 * (p % 4) + at] |= (uint8_t)((v & 15) << (p >= 4 ? 4 : 0));
+        if (kind == KIND_Q6_K && Q8T_HIGH_PLANES) {
+            g[256 + 64 * (p / 4) + at] |= (uint8_t)((v >> 4) << 2 * (p % 4));
+            continue;
+        }
         if (v & 16) g[256 + 8 * p + at / 8] |= (uint8_t)(1u << (at % 8));
         if (v & 32) g[320 + 8 * p + at / 8] |= (uint8_t)(1u << (at % 8));
     }
@@ -98,13 +108,40 @@ static void q8t_layout_strip(int kind, const uint8_t *src, int64_t src_row_bytes
     }
 }
 
-#if STRATA_AVX512VNNI
+/* Units (values one scale covers) of a group, and of a block. */
+#define Q8T_UNITS(KIND) ((KIND) == KIND_Q6_K ? 2 : 1)
+#define Q8T_BLOCK_UNITS(KIND) (gguf_block_values(KIND) / 32 * Q8T_UNITS(KIND))
+
+/* Group u's lines (at g; a K-quant block's header with its first group) asked for 4 KiB ahead. */
+static inline __attribute__((always_inline)) void q8t_prefetch(const int KIND, const uint8_t *g, int64_t u) {
+    if (!q8t_k_quant(KIND)) prefetch_ahead(g, q8t_stride(KIND));
+    else prefetch_ahead(g - (u % 8 == 0 ? q8t_header_bytes(KIND) : 0),
+                        q8t_value_bytes(KIND) + (u % 8 == 0 ? q8t_header_bytes(KIND) : 0));
+}
+
+/* x's 4 bytes at q as one int32 (the lane a broadcast puts them in). */
 static inline int32_t q8t_quad(const int8_t *q) {
     int32_t v;
     memcpy(&v, q, sizeof v);
     return v;
 }
 
+/* Where row x's integer sum of unit v starts: minus the weights' zero times x's sum over the unit. */
+static inline int32_t q8t_start(const int KIND, const q8_x_t *x, int64_t v) {
+    if (KIND == KIND_Q6_K) return -q8t_zero(KIND) * x->sum16[v]; /* units of 16 */
+    return -q8t_zero(KIND) * x->sum32[v];
+}
+
+/* Where q8t_add finds row x's factors of unit v: x's d, and what the weights' offset meets (Q8_1's s, or the sum). */
+static inline const float *q8t_dx(const int KIND, const q8_x_t *x, int64_t v) {
+    return q8t_k_quant(KIND) ? NULL : x->d + v;
+}
+static inline const float *q8t_ox(const int KIND, const q8_x_t *x, int64_t v) {
+    if (!gguf_has_offsets(KIND)) return NULL;
+    return q8t_k_quant(KIND) ? x->sum32_f + v : x->s + v;
+}
+
+#if STRATA_AVX512VNNI
 static inline __mmask64 q8t_mask(const uint8_t *p) {
     uint64_t bits;
     memcpy(&bits, p, sizeof bits);
@@ -129,10 +166,6 @@ static inline __attribute__((always_inline)) void q8t_values(const int KIND, con
             w[p] = _mm512_mask_add_epi8(w[p], q8t_mask(g + 256 + 64 * (bit - 4) + 8 * p), w[p], add);
     }
 }
-
-/* Units (values one scale covers) of a group, and of a block. */
-#define Q8T_UNITS(KIND) ((KIND) == KIND_Q6_K ? 2 : 1)
-#define Q8T_BLOCK_UNITS(KIND) (gguf_block_values(KIND) / 32 * Q8T_UNITS(KIND))
 
 /* Unit v's weight factors for 16 outputs: the scale its sums take (legacy: d; K-quants: d * sub-block scale) and
    the offset (Q4_1 / Q5_1: m; Q4_K / Q5_K: dmin * sub-block min). */
@@ -159,12 +192,6 @@ static inline __attribute__((always_inline)) void q8t_unit(const int KIND, const
     *offset = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 32))), _mm512_cvtepi32_ps(mn));
 }
 
-/* Where row x's integer sum of unit v starts: minus the weights' zero times x's sum over the unit. */
-static inline int32_t q8t_start(const int KIND, const q8_x_t *x, int64_t v) {
-    if (KIND == KIND_Q6_K) return -q8t_zero(KIND) * x->sum16[v]; /* units of 16 */
-    return -q8t_zero(KIND) * x->sum32[v];
-}
-
 /* A row's exact sum of unit v into acc: legacy kinds times the weights' d and x's d of the block (*dx), and their m
    times x's s (*ox); K-quants times the weights' scale, less their offset times x's sum over the unit (*ox), x's d
    applied once a block (q8t_flush). */
@@ -176,15 +203,6 @@ static inline __attribute__((always_inline)) __m512 q8t_add(const int KIND, __m5
     }
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
     return gguf_has_offsets(KIND) ? _mm512_fnmadd_ps(offset, _mm512_set1_ps(*ox), acc) : acc;
-}
-
-/* Where q8t_add finds row x's factors of unit v: x's d, and what the weights' offset meets (Q8_1's s, or the sum). */
-static inline const float *q8t_dx(const int KIND, const q8_x_t *x, int64_t v) {
-    return q8t_k_quant(KIND) ? NULL : x->d + v;
-}
-static inline const float *q8t_ox(const int KIND, const q8_x_t *x, int64_t v) {
-    if (!gguf_has_offsets(KIND)) return NULL;
-    return q8t_k_quant(KIND) ? x->sum32_f + v : x->s + v;
 }
 
 /* After a K-quant block's last unit: its sums times x's d of the block into total, acc zeroed. */
@@ -201,9 +219,7 @@ static inline __attribute__((always_inline)) void q8t_rows(const int KIND, const
     for (int r = 0; r < R; r++) acc[r] = total[r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < groups; u++) {
         const uint8_t *g = q8t_group(KIND, strip, u);
-        if (!q8t_k_quant(KIND)) prefetch_ahead(g, q8t_stride(KIND));
-        else prefetch_ahead(g - (u % 8 == 0 ? q8t_header_bytes(KIND) : 0),
-                            q8t_value_bytes(KIND) + (u % 8 == 0 ? q8t_header_bytes(KIND) : 0));
+        q8t_prefetch(KIND, g, u);
         __m512i w[8];
         q8t_values(KIND, g, w);
         __m512 scale[2], offset[2];
@@ -257,6 +273,8 @@ static void q8t_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, 
         }
     }
 }
+#elif STRATA_AVX2
+#include "gguf_q8_tiled_avx2.h"
 #endif
 
 #endif

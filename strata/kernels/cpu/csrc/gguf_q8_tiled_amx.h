@@ -8,11 +8,11 @@
 #include "amx_tiles.h"
 
 /* Tiles: 0 and 1 sums (units in turn), 2 / 4 x's 16 rows of a unit, 3 / 5 the strip's values of it. */
-static void q8t_configure(int unit) {
+static void q8t_configure(int unit, int rows) {
     tile_config_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 6; t++) c.rows[t] = 16, c.bytes_per_row[t] = 64;
+    for (int t = 0; t < 6; t++) c.rows[t] = (uint8_t)rows, c.bytes_per_row[t] = 64;
     c.bytes_per_row[2] = c.bytes_per_row[4] = (uint16_t)unit;
     c.rows[3] = c.rows[5] = (uint8_t)(unit / 4);
     _tile_loadconfig(&c);
@@ -149,7 +149,7 @@ static int q8t_tile_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_tot
     {
         uint8_t *widened = aligned_alloc(64, (size_t)(w->k / 32 * (512 + 2 * 64)));
         int32_t *starts = widened ? (int32_t *)(widened + w->k / 32 * 512) : NULL;
-        if (widened) q8t_configure(w->kind == KIND_Q6_K ? 16 : 32);
+        if (widened) q8t_configure(w->kind == KIND_Q6_K ? 16 : 32, m_total < 16 ? (int)m_total : 16);
         else failed = 1;
 #pragma omp for schedule(static)
         for (int64_t strip = 0; strip < strips; strip++) {

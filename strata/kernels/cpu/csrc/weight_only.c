@@ -288,7 +288,7 @@ static int matmul_avx512(const weights_t *w, const float *x, int64_t m_total, co
    (gguf_q8_tiled.h), rows of k values; -2 where this build has no kernels for that layout, the kind none, or k is
    not whole blocks. */
 int64_t q8_tiled_strip_bytes(int kind, int64_t k) {
-    if (!STRATA_AVX512VNNI || !q8_has_kernel(kind) || k <= 0 || k % gguf_block_values(kind)) return -2;
+    if (!STRATA_AVX2 || !q8_has_kernel(kind) || k <= 0 || k % gguf_block_values(kind)) return -2;
     return q8t_strip_bytes(kind, k);
 }
 
