@@ -11,4 +11,9 @@ static inline void prefetch_ahead(const void *at, long bytes) {
     for (long i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)at + PREFETCH_BYTES + i, 0, 3);
 }
 
+/* Every 64-byte line of [at, at + bytes). */
+static inline void prefetch_lines(const void *at, long bytes) {
+    for (long i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)at + i, 0, 3);
+}
+
 #endif
