@@ -19,18 +19,6 @@ static inline int q8t_span(int kind) {
     return q8t_value_bytes(kind) == 320 ? 4 : kind == KIND_Q6_K ? 2 : 8;
 }
 
-/* 32 bits of a row's mask (bit i: byte i of the half row) as 32 bytes, `value` where the bit is set. */
-static inline __m256i q8t_bits8(const uint8_t *p, int value) {
-    uint32_t bits;
-    memcpy(&bits, p, sizeof bits);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                               _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
-                                                                 0x0101010101010101LL, 0));
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select),
-                            _mm256_set1_epi8((char)value));
-}
-
 /* Row p of group g's unsigned values (values 4p .. 4p + 3 of outputs 8 * half .. 8 * half + 7). */
 static inline __attribute__((always_inline)) __m256i q8t_row8(const int KIND, const uint8_t *g, int p, int half) {
     if (KIND == KIND_Q8_0) return _mm256_loadu_si256((const __m256i *)(g + 64 * p + 32 * half));
@@ -42,7 +30,7 @@ static inline __attribute__((always_inline)) __m256i q8t_row8(const int KIND, co
         high = at < 4 ? _mm256_slli_epi16(high, 4 - at) : at > 4 ? _mm256_srli_epi16(high, at - 4) : high;
         return _mm256_or_si256(v, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
     }
-    if (q8t_value_bytes(KIND) == 320) v = _mm256_or_si256(v, q8t_bits8(g + 256 + 8 * p + 4 * half, 16));
+    if (q8t_value_bytes(KIND) == 320) v = _mm256_or_si256(v, q8a_fifth_bits(g + 256 + 8 * p + 4 * half));
     return v;
 }
 
