@@ -112,6 +112,22 @@ static void q8t_layout_strip(int kind, const uint8_t *src, int64_t src_row_bytes
 #define Q8T_UNITS(KIND) ((KIND) == KIND_Q6_K ? 2 : 1)
 #define Q8T_BLOCK_UNITS(KIND) (gguf_block_values(KIND) / 32 * Q8T_UNITS(KIND))
 
+/* Where unit v's weight factors lie in a strip, the 16 outputs' side by side: fp16 d and (Q4_1 / Q5_1 / K-quants)
+   m or dmin; the K-quants' sub-block scale and min bytes (Q6_K's scales signed, no mins); q8t_put_header's places. */
+typedef struct {
+    const uint8_t *d, *m, *scale, *min;
+} q8t_unit_bytes_t;
+static inline q8t_unit_bytes_t q8t_unit_bytes(const int KIND, const uint8_t *strip, int64_t v) {
+    if (!q8t_k_quant(KIND)) {
+        const uint8_t *d = strip + v * q8t_stride(KIND) + q8t_value_bytes(KIND);
+        return (q8t_unit_bytes_t){d, d + 32, NULL, NULL};
+    }
+    const uint8_t *h = strip + v / Q8T_BLOCK_UNITS(KIND) * q8t_stride(KIND);
+    const int64_t i = v % Q8T_BLOCK_UNITS(KIND);
+    if (KIND == KIND_Q6_K) return (q8t_unit_bytes_t){h, NULL, h + 32 + 16 * i, NULL};
+    return (q8t_unit_bytes_t){h, h + 32, h + 64 + 16 * i, h + 192 + 16 * i};
+}
+
 /* Group u's lines (at g; a K-quant block's header with its first group) asked for 4 KiB ahead. */
 static inline __attribute__((always_inline)) void q8t_prefetch(const int KIND, const uint8_t *g, int64_t u) {
     if (!q8t_k_quant(KIND)) prefetch_ahead(g, q8t_stride(KIND));
@@ -171,25 +187,19 @@ static inline __attribute__((always_inline)) void q8t_values(const int KIND, con
    the offset (Q4_1 / Q5_1: m; Q4_K / Q5_K: dmin * sub-block min). */
 static inline __attribute__((always_inline)) void q8t_unit(const int KIND, const uint8_t *strip, int64_t v,
                                                            __m512 *scale, __m512 *offset) {
+    const q8t_unit_bytes_t f = q8t_unit_bytes(KIND, strip, v);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f.d));
+    const __m512 m = gguf_has_offsets(KIND) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f.m))
+                                            : _mm512_setzero_ps();
     if (!q8t_k_quant(KIND)) {
-        const uint8_t *g = strip + v * q8t_stride(KIND) + q8t_value_bytes(KIND);
-        *scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
-        *offset = gguf_has_offsets(KIND) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32)))
-                                         : _mm512_setzero_ps();
+        *scale = d, *offset = m;
         return;
     }
-    const uint8_t *h = strip + v / Q8T_BLOCK_UNITS(KIND) * q8t_stride(KIND);
-    const int64_t i = v % Q8T_BLOCK_UNITS(KIND);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
-    if (KIND == KIND_Q6_K) {
-        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(h + 32 + 16 * i)));
-        *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), *offset = _mm512_setzero_ps();
-        return;
-    }
-    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(h + 64 + 16 * i)));
-    const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(h + 192 + 16 * i)));
-    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-    *offset = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 32))), _mm512_cvtepi32_ps(mn));
+    const __m128i sc = _mm_loadu_si128((const __m128i *)f.scale);
+    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(KIND == KIND_Q6_K ? _mm512_cvtepi8_epi32(sc)
+                                                                    : _mm512_cvtepu8_epi32(sc)));
+    *offset = KIND == KIND_Q6_K ? m : _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                        _mm_loadu_si128((const __m128i *)f.min))));
 }
 
 /* A row's exact sum of unit v into acc: legacy kinds times the weights' d and x's d of the block (*dx), and their m

@@ -48,26 +48,18 @@ static inline __m256 q8t_halves8(const uint8_t *p) {
 /* q8t_unit's factors for the half strip's 8 outputs. */
 static inline __attribute__((always_inline)) void q8t_unit8(const int KIND, const uint8_t *strip, int64_t v, int half,
                                                             __m256 *scale, __m256 *offset) {
+    const q8t_unit_bytes_t f = q8t_unit_bytes(KIND, strip, v);
+    const __m256 d = q8t_halves8(f.d + 16 * half);
+    const __m256 m = gguf_has_offsets(KIND) ? q8t_halves8(f.m + 16 * half) : _mm256_setzero_ps();
     if (!q8t_k_quant(KIND)) {
-        const uint8_t *g = strip + v * q8t_stride(KIND) + q8t_value_bytes(KIND) + 16 * half;
-        *scale = q8t_halves8(g);
-        *offset = gguf_has_offsets(KIND) ? q8t_halves8(g + 32)
-                                         : _mm256_setzero_ps();
+        *scale = d, *offset = m;
         return;
     }
-    const uint8_t *h = strip + v / Q8T_BLOCK_UNITS(KIND) * q8t_stride(KIND);
-    const int64_t i = v % Q8T_BLOCK_UNITS(KIND);
-    const __m256 d = q8t_halves8(h + 16 * half);
-    if (KIND == KIND_Q6_K) {
-        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(h + 32 + 16 * i + 8 * half)));
-        *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), *offset = _mm256_setzero_ps();
-        return;
-    }
-    const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 64 + 16 * i + 8 * half)));
-    const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 192 + 16 * i + 8 * half)));
-    *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-    *offset = _mm256_mul_ps(q8t_halves8(h + 32 + 16 * half),
-                            _mm256_cvtepi32_ps(mn));
+    const __m128i sc = _mm_loadl_epi64((const __m128i *)(f.scale + 8 * half));
+    *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(KIND == KIND_Q6_K ? _mm256_cvtepi8_epi32(sc)
+                                                                    : _mm256_cvtepu8_epi32(sc)));
+    *offset = KIND == KIND_Q6_K ? m : _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                        _mm_loadl_epi64((const __m128i *)(f.min + 8 * half)))));
 }
 
 /* q8t_add for 8 outputs: the same steps, lane by lane. */
