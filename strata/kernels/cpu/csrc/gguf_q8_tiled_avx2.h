@@ -203,17 +203,28 @@ static inline __attribute__((always_inline)) void q8t_rows8(const int KIND, cons
     for (int r = 0; r < R; r++) out[r] = q8t_k_quant(KIND) ? _mm256_load_ps(total[r]) : acc[r];
 }
 
-/* count (Q8T_AVX2_ROWS or 1) rows of x times half a strip. Scheduled by GCC before register allocation, with its
-   register-pressure model: without that it hoists x's broadcasts far ahead of their products and spills them (one
-   core, [1536 x 512] at 64 rows: Q4_K 720 -> 615 us, Q4_0 785 -> 700). */
+/* count (Q8T_AVX2_ROWS or 1) rows of x times half a strip, from the strip's bytes made once (`wide`). Scheduled by
+   GCC before register allocation, with its register-pressure model: without that it hoists x's broadcasts far ahead
+   of their products and spills them (one core, [1536 x 512] at 64 rows: Q4_K 720 -> 615 us, Q4_0 785 -> 700). */
 __attribute__((optimize("schedule-insns", "sched-pressure")))
-static void q8t_rows8_any(int kind, int count, const uint8_t *strip, int64_t groups, int half,
-                          const q8t_wide_t *wide, const q8_x_t *xs, __m256 out[]) {
+static void q8t_rows8_wide(int kind, int count, const uint8_t *strip, int64_t groups, int half,
+                           const q8t_wide_t *wide, const q8_x_t *xs, __m256 out[]) {
 #define Q8T_COUNTS8(K)                                                                                             \
     case K:                                                                                                        \
-        if (wide && count == 2) q8t_rows8(K, 2, 1, strip, groups, half, wide, xs, out);                            \
-        else if (wide) q8t_rows8(K, 1, 1, strip, groups, half, wide, xs, out);                                     \
-        else if (count == 2) q8t_rows8(K, 2, 0, strip, groups, half, NULL, xs, out);                               \
+        if (count == 2) q8t_rows8(K, 2, 1, strip, groups, half, wide, xs, out);                                    \
+        else q8t_rows8(K, 1, 1, strip, groups, half, wide, xs, out);                                               \
+        break;
+    switch (kind) { Q8_EACH_KIND(Q8T_COUNTS8) }
+#undef Q8T_COUNTS8
+}
+
+/* The same from the strip itself (below Q8T_WIDEN_ROWS rows), in GCC's default schedule: the pressure model's
+   slowed Gemma 3's decode by ~10%. */
+static void q8t_rows8_any(int kind, int count, const uint8_t *strip, int64_t groups, int half, const q8_x_t *xs,
+                          __m256 out[]) {
+#define Q8T_COUNTS8(K)                                                                                             \
+    case K:                                                                                                        \
+        if (count == 2) q8t_rows8(K, 2, 0, strip, groups, half, NULL, xs, out);                                    \
         else q8t_rows8(K, 1, 0, strip, groups, half, NULL, xs, out);                                               \
         break;
     switch (kind) { Q8_EACH_KIND(Q8T_COUNTS8) }
@@ -238,7 +249,8 @@ static void q8t_strip8(const weights_t *w, const q8_x_t *xs, int64_t m_total, co
         for (int64_t m = 0; m < m_total;) {
             const int count = m_total - m >= Q8T_AVX2_ROWS ? Q8T_AVX2_ROWS : 1;
             __m256 y[Q8T_AVX2_ROWS];
-            q8t_rows8_any(w->kind, count, w->data + strip * w->row_bytes, groups, half, wide, xs + m, y);
+            if (wide) q8t_rows8_wide(w->kind, count, w->data + strip * w->row_bytes, groups, half, wide, xs + m, y);
+            else q8t_rows8_any(w->kind, count, w->data + strip * w->row_bytes, groups, half, xs + m, y);
             for (int r = 0; r < count; r++, m++)
                 _mm256_maskstore_ps(out + m * w->n + n0, valid, _mm256_add_ps(y[r], b));
         }
