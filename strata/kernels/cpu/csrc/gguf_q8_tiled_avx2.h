@@ -205,7 +205,7 @@ static inline __attribute__((always_inline)) void q8t_rows8(const int KIND, cons
 
 /* count (Q8T_AVX2_ROWS or 1) rows of x times half a strip, from the strip's bytes made once (`wide`). Scheduled by
    GCC before register allocation, with its register-pressure model: without that it hoists x's broadcasts far ahead
-   of their products and spills them (one core, [1536 x 512] at 64 rows: Q4_K 720 -> 615 us, Q4_0 785 -> 700). */
+   of their products and spills them (one core, [1536 x 512] at 64 rows: Q4_K 754 -> 655 us, Q4_0 763 -> 710). */
 __attribute__((optimize("schedule-insns", "sched-pressure")))
 static void q8t_rows8_wide(int kind, int count, const uint8_t *strip, int64_t groups, int half,
                            const q8t_wide_t *wide, const q8_x_t *xs, __m256 out[]) {
@@ -218,8 +218,8 @@ static void q8t_rows8_wide(int kind, int count, const uint8_t *strip, int64_t gr
 #undef Q8T_COUNTS8
 }
 
-/* The same from the strip itself (below Q8T_WIDEN_ROWS rows), in GCC's default schedule: the pressure model's
-   slowed Gemma 3's decode by ~10%. */
+/* The same from the strip itself (below Q8T_WIDEN_ROWS rows), in GCC's default schedule: with the pressure model
+   on these passes too, Gemma 3's decode read ~10% slower in alternating rounds. */
 static void q8t_rows8_any(int kind, int count, const uint8_t *strip, int64_t groups, int half, const q8_x_t *xs,
                           __m256 out[]) {
 #define Q8T_COUNTS8(K)                                                                                             \
