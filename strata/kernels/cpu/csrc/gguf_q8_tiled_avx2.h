@@ -203,33 +203,32 @@ static inline __attribute__((always_inline)) void q8t_rows8(const int KIND, cons
     for (int r = 0; r < R; r++) out[r] = q8t_k_quant(KIND) ? _mm256_load_ps(total[r]) : acc[r];
 }
 
+/* A case of the dispatch below: count rows (Q8T_AVX2_ROWS or 1) of kind K, WIDE_PASS (a constant) from `wide`. */
+#define Q8T_COUNTS8(K)                                                                                             \
+    case K:                                                                                                        \
+        if (count == 2) q8t_rows8(K, 2, WIDE_PASS, strip, groups, half, wide, xs, out);                            \
+        else q8t_rows8(K, 1, WIDE_PASS, strip, groups, half, wide, xs, out);                                       \
+        break;
+
 /* count (Q8T_AVX2_ROWS or 1) rows of x times half a strip, from the strip's bytes made once (`wide`). Scheduled by
    GCC before register allocation, with its register-pressure model: without that it hoists x's broadcasts far ahead
    of their products and spills them (one core, [1536 x 512] at 64 rows: Q4_K 754 -> 655 us, Q4_0 763 -> 710). */
 __attribute__((optimize("schedule-insns", "sched-pressure")))
 static void q8t_rows8_wide(int kind, int count, const uint8_t *strip, int64_t groups, int half,
                            const q8t_wide_t *wide, const q8_x_t *xs, __m256 out[]) {
-#define Q8T_COUNTS8(K)                                                                                             \
-    case K:                                                                                                        \
-        if (count == 2) q8t_rows8(K, 2, 1, strip, groups, half, wide, xs, out);                                    \
-        else q8t_rows8(K, 1, 1, strip, groups, half, wide, xs, out);                                               \
-        break;
+    enum { WIDE_PASS = 1 };
     switch (kind) { Q8_EACH_KIND(Q8T_COUNTS8) }
-#undef Q8T_COUNTS8
 }
 
 /* The same from the strip itself (below Q8T_WIDEN_ROWS rows), in GCC's default schedule: with the pressure model
    on these passes too, Gemma 3's decode read ~10% slower in alternating rounds. */
 static void q8t_rows8_any(int kind, int count, const uint8_t *strip, int64_t groups, int half, const q8_x_t *xs,
                           __m256 out[]) {
-#define Q8T_COUNTS8(K)                                                                                             \
-    case K:                                                                                                        \
-        if (count == 2) q8t_rows8(K, 2, 0, strip, groups, half, NULL, xs, out);                                    \
-        else q8t_rows8(K, 1, 0, strip, groups, half, NULL, xs, out);                                               \
-        break;
+    enum { WIDE_PASS = 0 };
+    const q8t_wide_t *wide = NULL;
     switch (kind) { Q8_EACH_KIND(Q8T_COUNTS8) }
-#undef Q8T_COUNTS8
 }
+#undef Q8T_COUNTS8
 
 /* One strip of out[m_total, n] (+ bias): with `wide`, its values made bytes first. */
 static void q8t_strip8(const weights_t *w, const q8_x_t *xs, int64_t m_total, const float *bias, float *out,
