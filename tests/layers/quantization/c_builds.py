@@ -4,10 +4,12 @@ with it, with AMX tiles and with their int8 products), beside the native build t
 engine (FMA or AMX) forced for a block."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,21 +43,42 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+_LIBRARIES = ("weight_only", "weight_gemm")
+# (build, optimization) -> the folder its libraries were compiled into, once a session: compiling the AVX-512 builds
+# takes seconds a library, and five test modules ask for every build.
+_compiled: dict[tuple[str, str], Path] = {}
+
+
+def _compile(build: str, opt: str, compiler: str) -> Path:
+    if (build, opt) not in _compiled:
+        folder = Path(tempfile.mkdtemp(prefix=f"strata-{build}{opt}-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        jobs = [subprocess.Popen([compiler, opt, "-fopenmp", "-shared", "-fPIC", *BUILDS[build][0],
+                                  str(cpu_build.SOURCES / f"{name}.c"), "-o", str(folder / f"{name}.so"), "-lm"])
+                for name in _LIBRARIES]
+        for job in jobs:
+            if job.wait():
+                raise subprocess.CalledProcessError(job.returncode, job.args)
+        _compiled[build, opt] = folder
+    return _compiled[build, opt]
+
+
 @contextlib.contextmanager
 def forced_build(build: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, opt: str = "-O1") -> Iterator[None]:
     """cpu_matmul's products run on `build` inside the block (skipped where no compiler or the CPU cannot run it)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    flags, needs = BUILDS[build]
+    needs = BUILDS[build][1]
     if needs - cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
+    compiled = _compile(build, opt, compiler)
     libraries = {}
-    for name in ("weight_only", "weight_gemm"):
-        source = cpu_build.SOURCES / f"{name}.c"
+    for name in _LIBRARIES:
+        # A copy of its own: loaded anew, so that its globals (crossovers, engines) start from their defaults.
         target = tmp_path / f"{name}_{build}.so"
-        subprocess.run([compiler, opt, "-fopenmp", "-shared", "-fPIC", *flags, str(source), "-o", str(target), "-lm"],
-                       check=True)
+        if not target.exists():  # (never written over: a loaded library's file must not change under it)
+            shutil.copyfile(compiled / f"{name}.so", target)
         libraries[name] = ctypes.CDLL(str(target))
         abi.check(name, libraries[name])  # each forced build lays out and numbers its kinds as abi.py does
     monkeypatch.setattr(cpu_build, "load", libraries.__getitem__)
