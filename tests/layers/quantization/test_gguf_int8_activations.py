@@ -120,7 +120,7 @@ def test_each_c_build_equals_the_rounded_reference(build, tmp_path, monkeypatch)
     """AVX2 runs the vpmaddubsw kernels (gguf_q8_avx2.h), AVX2 with AVX-VNNI their 256-bit vpdpbusd form (AVX-512
     without VNNI AVX2's), AVX-512 VNNI the 512-bit kernels; odd block counts (a legacy row's last block alone, a
     K-quant row's odd block), several rows of x, and a prefill-sized batch past one pass of 64 rows. Every build but
-    the portable one also reads the tile layout (AVX2's int16 sums, AVX-512 VNNI's kernels, AMX's tiles from 8
+    the portable one also reads the tile layout (AVX2's int16 sums, AVX-512 VNNI's kernels, AMX's tiles from 17
     rows); portable layers keep their blocks."""
     with forced_build(build, tmp_path, monkeypatch):
         for qtype in INT8_TYPES:
@@ -235,7 +235,7 @@ needs_tiles = pytest.mark.skipif(_tiles(gp.random_blocks(gp.Q4_0, 1, 32), gp.Q4_
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=NAMES.get)
 def test_tiled_weights_equal_float64_of_llama_cpp_rounded_x_for_1_to_20_and_70_rows(qtype):
     """The layout loaded layers hold on AVX-512 VNNI builds: 21 outputs (a last strip of 5), odd group or block counts,
-    rows through the VNNI kernels' passes of 8, 4, 2, 1 and, from 8 rows where the CPU has them, AMX's tiles (70 rows:
+    rows through the VNNI kernels' passes of 8, 4, 2, 1 and, from 17 rows where the CPU has them, AMX's tiles (70 rows:
     five tiles of rows, the last of 6); a bias; x with a large mean (the weights' zero, m and mins meet x's sums)."""
     for k in (768, 256) if gguf_quants.TYPES[qtype].values_per_block == 256 else (160, 96):
         for m in (*range(1, 21), 70):
@@ -245,7 +245,7 @@ def test_tiled_weights_equal_float64_of_llama_cpp_rounded_x_for_1_to_20_and_70_r
 
 @needs_tiles
 def test_tiled_rows_have_the_same_bits_alone_or_among_any_rows():
-    """A decode row and a verification step's rows, on the VNNI kernels or (from 8 rows) the tiles, take one
+    """A decode row and a verification step's rows, on the VNNI kernels or (from 17 rows) the tiles, take one
     arithmetic: each row's product is the same float32, bit for bit, whatever rows share it."""
     for qtype in INT8_TYPES:
         k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160

@@ -20,8 +20,12 @@ enum { KIND_GGUF_Q8T = 96 }; /* + ggml's type: that GGUF kind in the tile layout
    (bits 2 * (p % 4), in the plane of rows p / 4), where the masks would take 12 instructions a row to spread. */
 #define Q8T_HIGH_PLANES (STRATA_AVX2 && !STRATA_AVX512VNNI)
 
-/* Rows of x from which a tiled weight's products take the AMX tiles (fewer: the VNNI kernels here). */
-#define Q8T_MIN_TILE_ROWS 8
+/* Rows of x from which a tiled weight's products take the AMX tiles (fewer: the VNNI kernels here). The tiles pay a
+   fixed cost per strip (its values widened to bytes, a tile stored per unit), which only many rows repay while the
+   weights come from L3 or memory, as a model's do: 2 Xeon threads, [2048 x 1024] weights cycling through 256 MiB, us,
+   VNNI against AMX, at 9 rows: Q4_0 117-124 / 155-166, Q4_1 146-163 / 193-196, Q8_0 156-160 / 201-215, Q6_K 168-235
+   / 265-279; at 16 rows about even (Q4_K 178-207 / 200-226), at 24 AMX's. */
+#define Q8T_MIN_TILE_ROWS 17
 
 /* Every kind with int8-activation kernels (Q8_EACH_KIND) has this layout. */
 static inline int q8t_k_quant(int kind) { return gguf_block_values(kind) == QK_K; }
