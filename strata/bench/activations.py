@@ -30,5 +30,7 @@ def _experts(quant: Any) -> str:
 
 
 def activations_line(llm: Any) -> str:
-    """The `CPU kernels:` line of `bench throughput` and `bench speculative`."""
-    return f"CPU kernels: {gguf_activations(llm)}\n"
+    """The `CPU:` line (the machine) and the `CPU kernels:` line of `bench throughput` and `bench speculative`."""
+    from strata.bench.machine import machine_line
+
+    return f"{machine_line(llm.engine.config.device)}\nCPU kernels: {gguf_activations(llm)}\n"

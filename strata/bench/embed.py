@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from strata.bench.embed_flops import GemmPeak, encoder_flops
+from strata.bench.machine import cpu_model
 from strata.config.engine_args import EngineArgs, engine_kwargs
 
 logger = logging.getLogger(__name__)
@@ -134,13 +135,3 @@ def _check_llama_embeddings(llama, llm, sentences: list[str]) -> None:  # noqa: 
     if cosine < 0.999:
         logger.warning("llama-embedding's vectors differ from strata's (cosine %.4f): is %s this checkpoint?",
                        cosine, llama.gguf)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or "unknown"

@@ -6,21 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
+from strata.bench.machine import cpu_model
+
 # name -> STRATA_KERNEL_MARCH of the build measured (x86-64-v3: AVX2/FMA, the int8 path's vpmaddubsw kernels)
 BUILDS = {"avx2": "x86-64-v3", "native": "native"}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
 
 
 def time_products(qtype_name: str, n: int, k: int, rows: tuple[int, ...], repeats: int) -> dict[str, float | str]:

@@ -16,6 +16,7 @@ import torch
 
 from strata.bench.image_latency import add_image_latency_args, run_image_latency
 from strata.bench.lora import add_lora_bench_args, bench_lora_requests, decode_path_line
+from strata.bench.machine import machine_line
 from strata.bench.throughput import random_prompts
 from strata.config.engine_args import EngineArgs, engine_kwargs
 from strata.sampling_params import SamplingParams
@@ -186,6 +187,7 @@ def run_latency(args: argparse.Namespace) -> int:
         fresh = [random_prompts(args.batch_size, args.input_len, model.vocab_size, args.seed + 1 + i,
                                 avoid=model.eos_token_ids) for i in range(args.num_iters)]
         ttfts = prefill_seconds(llm, fresh, loras)
+        sys.stdout.write(machine_line(args.device) + "\n")
         sys.stdout.write(decode_path_line(llm, loras))
         if llm.engine.spec is not None:  # --speculative-config: how the drafts fared
             sys.stdout.write(llm.engine.spec.stats.summary() + "\n")

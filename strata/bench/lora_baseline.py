@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from strata.bench.lora import random_adapter
+from strata.bench.machine import cpu_model
 from strata.bench.serve import send_request, summarize
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ def _run_sync(url: str, bodies: list[dict[str, Any]], concurrency: int) -> dict[
 
 
 def report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> str:
-    lines = [f"CPU: {platform.processor() or platform.machine()} ({_cpu_model()}), {args.threads} threads; "
+    lines = [f"CPU: {platform.processor() or platform.machine()} ({cpu_model()}), {args.threads} threads; "
              f"{args.num_loras} adapters of rank {args.rank}; {args.input_len} in / {args.output_len} out; best of "
              f"{args.rounds} alternating rounds",
              "| server | base x16 tok/s | 4 adapters x16 tok/s (ratio) | base x1 tok/s | 1 adapter x1 tok/s (ratio) |",
@@ -181,16 +182,6 @@ def report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Names
         lines.append(f"| {server} | {b16:.1f} | {l16:.1f} ({l16 / b16:.2f}x) | {b1:.1f} | {l1:.1f} "
                      f"({l1 / b1:.2f}x) |")
     return "\n".join(lines) + "\n"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def run_server(server: str, files: Files, args: argparse.Namespace) -> dict[str, dict[str, float]]:

@@ -7,15 +7,13 @@ import argparse
 import json
 import logging
 import math
-import platform
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from strata.bench.machine import machine_line
 from strata.config.engine_args import EngineArgs, engine_kwargs
 from strata.errors import ConfigError, UnsupportedModelError
 from strata.sampling_params import SamplingParams
@@ -118,20 +116,6 @@ def perplexity(scored: list[list[float]]) -> Perplexity:
     ppl = math.exp(mean)
     error = math.sqrt(variance / (count - 1)) * ppl if variance > 0 and count > 1 else None
     return Perplexity(running, ppl, error, count)
-
-
-def machine_line(device: str) -> str:
-    """Where the figures were measured: the CPU model and torch's threads, and the GPU's name when one ran."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
-    line = f"CPU: {name}, {torch.get_num_threads()} torch threads"
-    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
-        line += f"; GPU: {torch.cuda.get_device_name()}"
-    return line
 
 
 def _model(args: argparse.Namespace) -> str:

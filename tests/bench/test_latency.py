@@ -46,7 +46,9 @@ def test_bench_latency_says_which_cpu_paths_ran(llama_tied, capsys):
                "--output-len", "6", "--num-iters-warmup", "0", "--num-iters", "1", "--dtype", "float32",
                "--max-model-len", "64"])
     assert rc == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU kernels:"))
+    printed = capsys.readouterr().out.splitlines()
+    line = next(x for x in printed if x.startswith("CPU kernels:"))
+    assert any(x.startswith("CPU: ") and x.endswith(" torch threads") for x in printed)  # the machine, named
     if cpu_matmul.available():
         assert "5 decode steps in one C call each" in line
         assert line.endswith(f"built for {cpu_matmul.instruction_set()}") and cpu_matmul.instruction_set() in (
