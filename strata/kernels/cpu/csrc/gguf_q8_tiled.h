@@ -24,7 +24,8 @@ enum { KIND_GGUF_Q8T = 96 }; /* + ggml's type: that GGUF kind in the tile layout
    fixed cost per strip (its values widened to bytes, a tile stored per unit), which only many rows repay while the
    weights come from L3 or memory, as a model's do: 2 Xeon threads, [2048 x 1024] weights cycling through 256 MiB, us,
    VNNI against AMX, at 9 rows: Q4_0 117-124 / 155-166, Q4_1 146-163 / 193-196, Q8_0 156-160 / 201-215, Q6_K 168-235
-   / 265-279; at 16 rows about even (Q4_K 178-207 / 200-226), at 24 AMX's. */
+   / 265-279; at 16 rows VNNI's or even (Q4_K 178-207 / 200-226), at 24 about even; from 32 AMX's (one thread, Q4_1
+   [3072 x 576]: 32 rows 466-498 / 430-448, 64 rows 877-925 / 732-765). */
 #define Q8T_MIN_TILE_ROWS 17
 
 /* Every kind with int8-activation kernels (Q8_EACH_KIND) has this layout. */
