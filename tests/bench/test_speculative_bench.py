@@ -7,6 +7,7 @@ import json
 import textwrap
 
 from strata.bench.grounded import grounded_texts
+from strata.bench.machine import cpu_model
 from strata.cli import main
 
 
@@ -26,7 +27,7 @@ def test_a_run_reports_each_method_and_concurrency_with_the_same_tokens(llama_gq
                  "--concurrency", "1", "2", "--methods", "none", "ngram", "--max-input-len", "400",
                  "--max-model-len", "512", "--output-json", str(out)]) == 0
     machine = [line for line in capsys.readouterr().out.splitlines() if line.startswith("CPU: ")]
-    assert len(machine) == 2 and machine[0].startswith(f"CPU: {_cpu_model_in_proc()}, ")  # one per method
+    assert len(machine) == 2 and machine[0].startswith(f"CPU: {cpu_model()}, ")  # one per method
     rows = json.loads(out.read_text())
     assert [(r["method"], r["concurrency"]) for r in rows] == [("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2)]
     assert all(r["same_tokens_as_none"] and r["same_outputs"] == r["num_outputs"] == 2
@@ -40,8 +41,3 @@ def test_a_line_whose_tokens_differ_from_none_says_how_many_outputs_agree():
            "num_outputs": 8, "speedup": 1.5, "same_tokens_as_none": False, "same_outputs": 6}
     assert _line(row).rstrip().endswith("1.50x none, same tokens: False (6 of 8 outputs)")
 
-
-def _cpu_model_in_proc() -> str:
-    """The model name /proc/cpuinfo gives, read here on its own (the benchmarks print it beside their figures)."""
-    with open("/proc/cpuinfo") as f:
-        return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))

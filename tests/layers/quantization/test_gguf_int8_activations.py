@@ -199,9 +199,9 @@ def test_int8_without_the_c_kernels_is_refused_not_run_in_float(monkeypatch):
 
 
 def test_avx512_vnni_gives_each_row_the_same_bits_alone_or_among_up_to_7_rows(tmp_path, monkeypatch):
-    """A decode row and a verification step's rows (2-7 of them, below the AMX tiles' 8; any number from the tile
-    layout) take one arithmetic: each row's product is the same float32, bit for bit, whatever rows share the pass (a
-    greedy verification then sees the logits decoding would). One build for every kind."""
+    """A decode row and a verification step's rows (2-7 of them through the GGUF blocks' kernels; any number from
+    the tile layout) take one arithmetic: each row's product is the same float32, bit for bit, whatever rows share
+    the pass (a greedy verification then sees the logits decoding would). One build for every kind."""
     with forced_build("avx512_vnni", tmp_path, monkeypatch):
         for qtype in (gp.Q4_1, gp.Q5_0, gp.Q8_0, gp.Q4_K, gp.Q6_K):
             k = 512 if gguf_quants.TYPES[qtype].values_per_block == 256 else 160

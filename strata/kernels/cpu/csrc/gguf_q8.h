@@ -5,9 +5,9 @@
    scaled in float once a block (AVX-512 VNNI vpdpbusd: the weights' unsigned q times x's signed q; AVX2's
    vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd, in gguf_q8_avx2.h; portable C elsewhere). A model's product weights
    on AVX2 and AVX-512 builds are in the tile layout of gguf_q8_tiled.h instead (its VNNI kernels and AMX's int8
-   tiles from 8 rows; AVX2's in gguf_q8_tiled_avx2.h); the kernels on the blocks serve the routed experts and the
-   portable builds. Included by weight_only.c
-   after gguf_matmul.h; kinds KIND_GGUF_Q8 + ggml's type (KIND_GGUF_Q8T + ggml's type: the tile layout). */
+   tiles from Q8T_MIN_TILE_ROWS; AVX2's in gguf_q8_tiled_avx2.h); the kernels on the blocks serve the routed
+   experts and the portable builds. Included by weight_only.c after gguf_matmul.h; kinds KIND_GGUF_Q8 + ggml's
+   type (KIND_GGUF_Q8T + ggml's type: the tile layout). */
 #ifndef STRATA_GGUF_Q8_H
 #define STRATA_GGUF_Q8_H
 #include <math.h>
