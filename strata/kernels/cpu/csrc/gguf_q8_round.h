@@ -114,14 +114,27 @@ static inline int32_t q8_round32(const float *v, float scale, int ties_even, int
 }
 #endif
 
-/* Blocks of 32 (Q8_0 / Q8_1), quantize_row_q8_1_ref's arithmetic. */
+/* count floats rounded to IEEE half and back in place (q8_round_half's values; F16C's 8 a step). */
+static inline void q8_round_halves(float *v, int64_t count) {
+    int64_t i = 0;
+#if STRATA_F16C
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(v + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+    for (; i < count; i++) v[i] = q8_round_half(v[i]);
+}
+
+/* Blocks of 32 (Q8_0 / Q8_1), quantize_row_q8_1_ref's arithmetic. The fp16 roundings of d and s wait for the whole
+   row, 8 a step, where a block's two scalar round trips took a third of the rounding time. */
 static void q8_round_row_32(const float *x, int64_t k, q8_x_t *p) {
+    float *restrict d = p->d, *restrict s = p->s;
     for (int64_t b = 0; b < k / 32; b++) {
-        const float d = q8_abs_max(x + 32 * b, 32) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        const int32_t sum = q8_round32(x + 32 * b, id, 0, p->q + 32 * b, p->lanes + 8 * b);
-        p->d[b] = q8_round_half(d);
-        p->s[b] = q8_round_half((float)sum * d);
+        d[b] = q8_abs_max(x + 32 * b, 32) / 127.f;
+        const float id = d[b] != 0.f ? 1.f / d[b] : 0.f;
+        s[b] = (float)q8_round32(x + 32 * b, id, 0, p->q + 32 * b, p->lanes + 8 * b) * d[b];
     }
+    q8_round_halves(d, k / 32);
+    q8_round_halves(s, k / 32);
 }
 
 /* Blocks of 256 (Q8_K), quantize_row_q8_K_ref's arithmetic: the scale from the signed value of largest magnitude (its
