@@ -163,7 +163,8 @@ static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
     if (per_block == 32) q8_round_row_32(x, k, p);
     else q8_round_row_256(x, k, p);
     /* The arrays as restrict locals: through p, each store might have changed p's pointers, so GCC reloaded them
-       and wrote a value at a time (5 cycles a value, a quarter of AMX prefill's product time). */
+       and wrote a value at a time (the whole rounding then took 5 cycles a value, a quarter of AMX prefill's product
+       time). */
     const int32_t *restrict lanes = p->lanes;
     int32_t *restrict sum16 = p->sum16, *restrict sum32 = p->sum32;
     float *restrict sum32_f = p->sum32_f;
