@@ -84,6 +84,18 @@ static inline float q8_abs_max(const float *v, int64_t count) {
     return q8_max8(m);
 }
 
+/* The index of the first of count values (a multiple of 8) whose magnitude is amax; the last index if none is (a
+   NaN amax matches nothing). */
+static inline int64_t q8_first_of(const float *v, int64_t count, float amax) {
+    const __m256 sign = _mm256_set1_ps(-0.f), target = _mm256_set1_ps(amax);
+    for (int64_t j = 0; j < count; j += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)), target,
+                                                          _CMP_EQ_OQ));
+        if (hits) return j + __builtin_ctz((unsigned)hits);
+    }
+    return count - 1;
+}
+
 /* 32 values v * scale rounded (q8_round8) into q, their sums per 4 into lanes; returns their sum. */
 static inline int32_t q8_round32(const float *v, float scale, int ties_even, int8_t *q, int32_t *lanes) {
     __m256i r[4];
@@ -99,6 +111,12 @@ static inline float q8_abs_max(const float *v, int64_t count) {
     float amax = 0.f;
     for (int64_t j = 0; j < count; j++) amax = fmaxf(amax, fabsf(v[j]));
     return amax;
+}
+
+static inline int64_t q8_first_of(const float *v, int64_t count, float amax) {
+    int64_t j = 0;
+    while (j < count - 1 && fabsf(v[j]) != amax) j++; /* bounded: a NaN amax matches nothing */
+    return j;
 }
 
 static inline int32_t q8_round32(const float *v, float scale, int ties_even, int8_t *q, int32_t *lanes) {
@@ -148,9 +166,7 @@ static void q8_round_row_256(const float *x, int64_t k, q8_x_t *p) {
             p->d[b] = 0.f;
             continue;
         }
-        int j = 0;
-        while (j < QK_K - 1 && fabsf(v[j]) != amax) j++; /* bounded: a NaN amax matches nothing */
-        const float iscale = -127.f / v[j];
+        const float iscale = -127.f / v[q8_first_of(v, QK_K, amax)];
         for (int i = 0; i < QK_K / 32; i++) q8_round32(v + 32 * i, iscale, 1, p->q + QK_K * b + 32 * i,
                                                        p->lanes + QK_K / 4 * b + 8 * i);
         p->d[b] = 1.f / iscale;
