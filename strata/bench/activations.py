@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from strata.bench.machine import machine_line
+
 
 def gguf_activations(llm: Any) -> str:
     """One phrase: which activations the run's GGUF products took, and on which kernels."""
@@ -31,6 +33,4 @@ def _experts(quant: Any) -> str:
 
 def activations_line(llm: Any) -> str:
     """The `CPU:` line (the machine) and the `CPU kernels:` line of `bench throughput` and `bench speculative`."""
-    from strata.bench.machine import machine_line
-
     return f"{machine_line(llm.engine.config.device)}\nCPU kernels: {gguf_activations(llm)}\n"

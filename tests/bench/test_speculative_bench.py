@@ -40,4 +40,3 @@ def test_a_line_whose_tokens_differ_from_none_says_how_many_outputs_agree():
     row = {"method": "ngram", "concurrency": 1, "output_tokens": 90, "elapsed_s": 1.0, "output_tokens_per_s": 90.0,
            "num_outputs": 8, "speedup": 1.5, "same_tokens_as_none": False, "same_outputs": 6}
     assert _line(row).rstrip().endswith("1.50x none, same tokens: False (6 of 8 outputs)")
-
