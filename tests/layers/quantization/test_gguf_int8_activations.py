@@ -135,25 +135,35 @@ def test_each_c_build_equals_the_rounded_reference(build, tmp_path, monkeypatch)
                 _check_extremes(qtype, ks[0], build, product)
 
 
-def _extreme_blocks(qtype: int, k: int, fill: int) -> np.ndarray:
+_Q6_K_SCALES = slice(192, 208)  # a Q6_K block's 16 int8 sub-block scales, after its 128 + 64 bytes of values
+
+
+def _extreme_blocks(qtype: int, k: int, fill: int, q6_k_scales: int | None = None) -> np.ndarray:
     """Rows whose every byte but the fp16 fields is `fill`: 0xff puts the 4/5/6-bit values at their largest (15 / 31 /
-    63) and Q8_0's at -1, 0x80 Q8_0's at -128."""
+    63) and Q8_0's at -1, 0x80 Q8_0's at -128; Q6_K's scales then `q6_k_scales` where given (0x00 values: q = 0,
+    its signed -32, the least)."""
     data = gp.random_blocks(qtype, 3, k)
     blocks = data.reshape(3, k // gguf_quants.TYPES[qtype].values_per_block, -1)
     kept = blocks.copy()
     blocks[...] = fill
     for offset in gp._HALVES[qtype]:
         blocks[..., offset:offset + 2] = kept[..., offset:offset + 2]
+    if q6_k_scales is not None:
+        blocks[..., _Q6_K_SCALES] = q6_k_scales
     return data
 
 
 def _check_extremes(qtype: int, k: int, build: str, product=_product) -> None:
-    """The largest weights times x's q at +-127 (x constant per block, or alternating in sign): pairs of products up
-    to 2 * 128 * 127, where vpmaddubsw's int16 sums would saturate but for the operands' ranges."""
-    rows = torch.tensor([[1.0] * k, [-1.0] * k, [(-1.0) ** i for i in range(k)]])
-    for fill in (0xFF, 0x80):
-        _compare(rows, _extreme_blocks(qtype, k, fill), qtype, f"{build}, {NAMES[qtype]}, bytes {fill:#x}",
-                 product=product)
+    """The largest weights (and Q6_K's least) times x's q at -127 and 127 (x constant per block, alternating in sign,
+    or 127 throughout a K-quant block but its first value; 12 rows, past AVX2's widened passes from 8): pairs of
+    products up to 2 * 128 * 127, where vpmaddubsw's int16 sums would saturate or wrap but for the operands'
+    ranges."""
+    rows = torch.tensor([[1.0] * k, [-1.0] * k, [(-1.0) ** i for i in range(k)],
+                         [-1.0 if i % 256 == 0 else 1.0 for i in range(k)]]).repeat(3, 1)
+    cases = [(0xFF, None), (0x80, None)] + ([(0x00, 0x7F), (0x00, 0x80)] if qtype == gp.Q6_K else [])
+    for fill, scales in cases:
+        _compare(rows, _extreme_blocks(qtype, k, fill, scales), qtype,
+                 f"{build}, {NAMES[qtype]}, bytes {fill:#x}, Q6_K scales {scales}", product=product)
 
 
 def _one_hot_q8_0(columns: list[int], k: int) -> np.ndarray:

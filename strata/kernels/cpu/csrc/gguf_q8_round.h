@@ -173,8 +173,8 @@ static void q8_round_row_256(const float *x, int64_t k, q8_x_t *p) {
     }
 }
 
-/* x's k values rounded into p's arrays (q8_at's layout), blocks of per_block (32 or 256). uq, d_lanes, s_lanes and
-   sum16_d only where the AVX-512 VNNI (and AMX) kernels read them. */
+/* x's k values rounded into p's arrays (q8_at's layout), blocks of per_block (32 or 256). uq only on x86 (the AMX
+   tiles and AVX2's Q6_K read it); d_lanes, s_lanes and sum16_d only where the AVX-512 VNNI (and AMX) kernels do. */
 static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
     if (per_block == 32) q8_round_row_32(x, k, p);
     else q8_round_row_256(x, k, p);
@@ -190,12 +190,14 @@ static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
         sum32[i] = sum16[2 * i] + sum16[2 * i + 1];
         sum32_f[i] = (float)sum32[i];
     }
-#if STRATA_AVX512VNNI
+#if STRATA_AVX2
     const int8_t *restrict q = p->q;
     uint8_t *restrict uq = p->uq;
+    for (int64_t i = 0; i < k; i++) uq[i] = (uint8_t)(q[i] + 128);
+#endif
+#if STRATA_AVX512VNNI
     const float *restrict d = p->d, *restrict s = p->s;
     float *restrict sum16_d = p->sum16_d, *restrict d_lanes = p->d_lanes, *restrict s_lanes = p->s_lanes;
-    for (int64_t i = 0; i < k; i++) uq[i] = (uint8_t)(q[i] + 128);
     for (int64_t b = 0; b < k / per_block; b++) {
         const float s_lane = per_block == 32 ? s[b] * 0.125f : 0.f;
         for (int64_t i = b * per_block / 16; i < (b + 1) * per_block / 16; i++) sum16_d[i] = (float)sum16[i] * d[b];
