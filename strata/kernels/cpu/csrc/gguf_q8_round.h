@@ -173,8 +173,12 @@ static void q8_round_row_256(const float *x, int64_t k, q8_x_t *p) {
     }
 }
 
-/* x's k values rounded into p's arrays (q8_at's layout), blocks of per_block (32 or 256). uq only on x86 (the AMX
-   tiles and AVX2's Q6_K read it); d_lanes, s_lanes and sum16_d only where the AVX-512 VNNI (and AMX) kernels do. */
+/* Whether rows rounded in blocks of per_block need uq, x + 128, the unsigned operand against signed weights: the
+   AVX-512 VNNI and AMX kernels' every row, and AVX2's Q6_K passes (Q8_K blocks) without AVX-VNNI. */
+#define Q8_UNSIGNED_X(per_block) (STRATA_AVX512VNNI || (STRATA_AVX2 && !STRATA_AVXVNNI && (per_block) == QK_K))
+
+/* x's k values rounded into p's arrays (q8_at's layout), blocks of per_block (32 or 256). uq only where a kernel
+   reads it (Q8_UNSIGNED_X); d_lanes, s_lanes and sum16_d only where the AVX-512 VNNI (and AMX) kernels do. */
 static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
     if (per_block == 32) q8_round_row_32(x, k, p);
     else q8_round_row_256(x, k, p);
@@ -190,11 +194,11 @@ static void q8_round_row(const float *x, int64_t k, int per_block, q8_x_t *p) {
         sum32[i] = sum16[2 * i] + sum16[2 * i + 1];
         sum32_f[i] = (float)sum32[i];
     }
-#if STRATA_AVX2
-    const int8_t *restrict q = p->q;
-    uint8_t *restrict uq = p->uq;
-    for (int64_t i = 0; i < k; i++) uq[i] = (uint8_t)(q[i] + 128);
-#endif
+    if (Q8_UNSIGNED_X(per_block)) {
+        const int8_t *restrict q = p->q;
+        uint8_t *restrict uq = p->uq;
+        for (int64_t i = 0; i < k; i++) uq[i] = (uint8_t)(q[i] + 128);
+    }
 #if STRATA_AVX512VNNI
     const float *restrict d = p->d, *restrict s = p->s;
     float *restrict sum16_d = p->sum16_d, *restrict d_lanes = p->d_lanes, *restrict s_lanes = p->s_lanes;

@@ -117,6 +117,14 @@ static inline __m256i q8t_signed_start8(const __m256i rows[4]) {
     return _mm256_sub_epi32(_mm256_slli_epi32(signed_sum, 7), _mm256_set1_epi32(Q8T_FLOAT_BIAS));
 }
 
+/* q8t_add8's step for a Q6_K unit summed from its signed values: the sum less q8t_signed_start8's int32, as float
+   (its bits less the bias's), times the scale, into acc. */
+static inline __attribute__((always_inline)) __m256 q8t_add_signed8(__m256i sum, __m256 scale, __m256i start,
+                                                                   __m256 acc) {
+    const __m256 biased = _mm256_castsi256_ps(_mm256_sub_epi32(sum, start));
+    return _mm256_fmadd_ps(_mm256_sub_ps(biased, _mm256_castsi256_ps(_mm256_set1_epi32(Q8T_FLOAT_BIAS))), scale, acc);
+}
+
 static inline __attribute__((always_inline)) void q8t_widen8(const int KIND, const uint8_t *strip, int64_t groups,
                                                              const q8t_wide_t *wide) {
     const __m256i low = _mm256_set1_epi8(15);
@@ -240,13 +248,9 @@ static inline __attribute__((always_inline)) void q8t_rows8(const int KIND, cons
                     sum[r] = p0 == s * quads ? part : _mm256_add_epi32(sum[r], part);
                 }
             }
-            if (WIDE && Q8T_SIGNED_WIDE(KIND)) { /* offset: q8t_signed_start8's */
-                for (int r = 0; r < R; r++) {
-                    const __m256 sum_f = _mm256_sub_ps(
-                        _mm256_castsi256_ps(_mm256_sub_epi32(sum[r], _mm256_castps_si256(offset))),
-                        _mm256_castsi256_ps(_mm256_set1_epi32(Q8T_FLOAT_BIAS)));
-                    acc[r] = _mm256_fmadd_ps(sum_f, scale, acc[r]);
-                }
+            if (WIDE && Q8T_SIGNED_WIDE(KIND)) { /* the start and the float bias in the offset's place */
+                for (int r = 0; r < R; r++)
+                    acc[r] = q8t_add_signed8(sum[r], scale, _mm256_castps_si256(offset), acc[r]);
                 continue;
             }
             for (int r = 0; r < R; r++) sum[r] = q8t_add_start8(KIND, sum[r], xs + r, v);
