@@ -83,30 +83,39 @@ static inline wide_t wide_sum(const wide_t v[8]) {
         const int64_t n = hi - lo;                                                                            \
         for (int64_t t0 = lo; t0 < hi; t0 += WIDE_LANES) {                                                    \
             const int count = hi - t0 < WIDE_LANES ? (int)(hi - t0) : WIDE_LANES;                             \
-            const T *rows[WIDE_LANES];                                                                        \
-            for (int s = 0; s < WIDE_LANES; s++) {                                                            \
-                const int64_t t = t0 + WIDE_SLOT(s);                                                          \
-                rows[s] = t < hi ? k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride \
-                                 : NULL;                                                                      \
+            const T *by_token[WIDE_LANES], *rows[WIDE_LANES];                                                 \
+            int64_t block = t0 / block_size, at = t0 % block_size;                                            \
+            for (int i = 0; i < count; i++) { /* a division per block, not per token */                       \
+                by_token[i] = k_cache + table[block] * block_stride + at * token_stride;                      \
+                if (++at == block_size) at = 0, block++;                                                      \
             }                                                                                                 \
-            for (int64_t j = 0; j < num_q; j++) {                                                             \
+            /* past the keys: the first key again, its lanes dropped */                                       \
+            for (int i = count; i < WIDE_LANES; i++) by_token[i] = by_token[0];                               \
+            for (int s = 0; s < WIDE_LANES; s++) rows[s] = by_token[WIDE_SLOT(s)];                            \
+            /* each query's KV head counted along: j / group was a division a query */                        \
+            for (int64_t j = 0, head = 0, in_group = 0; j < num_q; j++) {                                     \
                 const float *qj = q + j * head_dim;                                                           \
-                const int64_t head = (j / group) * head_dim;                                                  \
                 wide_t acc[WIDE_LANES];                                                                       \
-                for (int s = 0; s < WIDE_LANES; s++) {                                                        \
+                /* whole, without branches: the sums stay in registers and the tokens' chains overlap */      \
+                _Pragma("GCC unroll 16") for (int s = 0; s < WIDE_LANES; s++) {                               \
                     acc[s] = wide_zero();                                                                     \
-                    if (rows[s])                                                                              \
-                        for (int c = 0; c < CHUNKS; c++)                                                      \
-                            acc[s] = wide_fmadd(wide_loadu(qj + WIDE_LANES * c),                              \
-                                                LOADW(rows[s] + head + WIDE_LANES * c), acc[s]);              \
+                    _Pragma("GCC unroll 16") for (int c = 0; c < CHUNKS; c++)                                 \
+                        acc[s] = wide_fmadd(wide_loadu(qj + WIDE_LANES * c),                                  \
+                                            LOADW(rows[s] + head + WIDE_LANES * c), acc[s]);                  \
                 }                                                                                             \
-                float lanes[WIDE_LANES];                                                                      \
-                wide_storeu(lanes, wide_mul(wide_sum(acc), wide_set1(scale)));                                \
-                memcpy(scores + j * n + t0 - lo, lanes, sizeof(float) * (size_t)count);                       \
+                const wide_t tile = wide_mul(wide_sum(acc), wide_set1(scale));                                \
+                if (count == WIDE_LANES) {                                                                    \
+                    wide_storeu(scores + j * n + t0 - lo, tile);                                              \
+                } else {                                                                                      \
+                    float lanes[WIDE_LANES];                                                                  \
+                    wide_storeu(lanes, tile);                                                                 \
+                    memcpy(scores + j * n + t0 - lo, lanes, sizeof(float) * (size_t)count);                   \
+                }                                                                                             \
+                if (++in_group == group) in_group = 0, head += head_dim;                                      \
             }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \
-    static void NAME##_scores(const float *q, const T *k_cache, const int32_t *table, int64_t lo, int64_t hi,  \
+    static void NAME##_scores(const float *q, const T *k_cache, const int32_t *table, int64_t lo, int64_t hi, \
                               int64_t num_q, int64_t group, int64_t head_dim, int64_t block_size,             \
                               int64_t block_stride, int64_t token_stride, float scale, float *scores) {       \
         const int64_t chunks = head_dim / WIDE_LANES;                                                         \
@@ -124,22 +133,28 @@ static inline wide_t wide_sum(const wide_t v[8]) {
         const int PASS, const int QB, const T *v_cache, const int32_t *table, int64_t lo, int64_t first, \
         int64_t last, int64_t head, int64_t block_size, int64_t block_stride, int64_t token_stride,          \
         const float *p, int64_t n, float *out, int64_t head_dim) {                                            \
-        wide_t o[QB][PASS];                                                                                   \
-        for (int b = 0; b < QB; b++)                                                                          \
-            for (int c = 0; c < PASS; c++) o[b][c] = wide_zero();                                             \
-        for (int64_t t = first; t < last; t++) {                                                              \
-            const T *v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + head; \
-            wide_t row[PASS];                                                                                 \
-            for (int c = 0; c < PASS; c++) row[c] = LOADW(v + WIDE_LANES * c);                                \
-            for (int b = 0; b < QB; b++) {                                                                    \
-                const wide_t weight = wide_set1(p[b * n + t - lo]);                                           \
-                for (int c = 0; c < PASS; c++) o[b][c] = wide_fmadd(weight, row[c], o[b][c]);                 \
+        /* fixed sizes (QB <= WIDE_QB4, PASS <= WIDE_PASS): o[QB][PASS] was a VLA, kept in memory */          \
+        wide_t o[WIDE_QB4][WIDE_PASS];                                                                        \
+        _Pragma("GCC unroll 8") for (int b = 0; b < QB; b++)                                                  \
+            _Pragma("GCC unroll 8") for (int c = 0; c < PASS; c++) o[b][c] = wide_zero();                     \
+        for (int64_t t = first; t < last;) {                                                                  \
+            const int64_t at = t % block_size, end = t - at + block_size < last ? t - at + block_size : last; \
+            const T *v = v_cache + table[t / block_size] * block_stride + at * token_stride + head;           \
+            for (; t < end; t++, v += token_stride) {                                                         \
+                wide_t row[WIDE_PASS];                                                                        \
+                _Pragma("GCC unroll 8") for (int c = 0; c < PASS; c++) row[c] = LOADW(v + WIDE_LANES * c);    \
+                _Pragma("GCC unroll 8") for (int b = 0; b < QB; b++) {                                        \
+                    const wide_t weight = wide_set1(p[b * n + t - lo]);                                       \
+                    _Pragma("GCC unroll 8") for (int c = 0; c < PASS; c++)                                    \
+                        o[b][c] = wide_fmadd(weight, row[c], o[b][c]);                                        \
+                }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
-        for (int b = 0; b < QB; b++)                                                                          \
-            for (int c = 0; c < PASS; c++) wide_storeu(out + b * head_dim + WIDE_LANES * c, o[b][c]);         \
+        _Pragma("GCC unroll 8") for (int b = 0; b < QB; b++)                                                  \
+            _Pragma("GCC unroll 8") for (int c = 0; c < PASS; c++)                                            \
+                wide_storeu(out + b * head_dim + WIDE_LANES * c, o[b][c]);                                    \
     }                                                                                                         \
-    static void NAME##_values(const T *v_cache, const int32_t *table, int64_t lo, int64_t hi, int64_t num_q,   \
+    static void NAME##_values(const T *v_cache, const int32_t *table, int64_t lo, int64_t hi, int64_t num_q,  \
                               int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,      \
                               int64_t token_stride, const float *scores, float *out, const int64_t *ranges) { \
         const int64_t n = hi - lo, chunks = head_dim / WIDE_LANES;                                            \
