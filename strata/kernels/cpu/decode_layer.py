@@ -18,7 +18,8 @@ def library() -> ctypes.CDLL | None:
         "decode_layers": ([ctypes.POINTER(Kernels), PTR, PTR, ctypes.c_int64, ctypes.POINTER(Step), PTR, PTR,
                            ctypes.c_int, PTR, PTR, PTR, PTR, F32], ctypes.c_int),
         "decode_forward": ([ctypes.POINTER(Kernels), PTR, PTR, ctypes.c_int64, ctypes.POINTER(Step), PTR, PTR, PTR,
-                            PTR, PTR, PTR], ctypes.c_int)})
+                            PTR, PTR, PTR], ctypes.c_int),
+        "first_argmax": ([PTR, ctypes.c_int64, ctypes.c_int64, PTR], None)})
 
 
 @functools.cache
