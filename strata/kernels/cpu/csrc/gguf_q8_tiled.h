@@ -226,11 +226,15 @@ static inline __attribute__((always_inline)) void q8t_flush(float d, __m512 *acc
     *acc = _mm512_setzero_ps();
 }
 
+/* Rows of x one pass over a strip serves at most: Q8V_ROWS, or 9 together (a verification step's token and 8 drafts),
+   where passes of 8 and 1 made each group's values twice (one core, 9 rows of [576 x 1536]: 5-15% faster). */
+#define Q8T_MAX_ROWS 9
+
 /* R rows of x (xs) times one strip, every group: out[r], 16 outputs each. */
 static inline __attribute__((always_inline)) void q8t_rows(const int KIND, const int R, const uint8_t *strip,
                                                            int64_t groups, const q8_x_t *xs, __m512 out[]) {
     const int units = Q8T_UNITS(KIND), quads = 8 / units;
-    __m512 acc[Q8V_ROWS], total[Q8V_ROWS];
+    __m512 acc[Q8T_MAX_ROWS], total[Q8T_MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = total[r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < groups; u++) {
         const uint8_t *g = q8t_group(KIND, strip, u);
@@ -255,11 +259,12 @@ static inline __attribute__((always_inline)) void q8t_rows(const int KIND, const
     for (int r = 0; r < R; r++) out[r] = q8t_k_quant(KIND) ? total[r] : acc[r];
 }
 
-/* count (Q8V_ROWS or a power of two below it) rows of x times one strip. */
+/* count (Q8T_MAX_ROWS, Q8V_ROWS or a power of two below it) rows of x times one strip. */
 static void q8t_rows_any(int kind, int count, const uint8_t *strip, int64_t groups, const q8_x_t *xs, __m512 out[]) {
 #define Q8T_COUNTS(K)                                                                                              \
     case K:                                                                                                        \
-        if (count == 8) q8t_rows(K, 8, strip, groups, xs, out);                                                    \
+        if (count == 9) q8t_rows(K, 9, strip, groups, xs, out);                                                    \
+        else if (count == 8) q8t_rows(K, 8, strip, groups, xs, out);                                               \
         else if (count == 4) q8t_rows(K, 4, strip, groups, xs, out);                                               \
         else if (count == 2) q8t_rows(K, 2, strip, groups, xs, out);                                               \
         else q8t_rows(K, 1, strip, groups, xs, out);                                                               \
@@ -269,7 +274,7 @@ static void q8t_rows_any(int kind, int count, const uint8_t *strip, int64_t grou
 }
 
 /* out[m_total, n] = rounded rows xs times a tiled weight's transpose (+ bias): strips shared among the threads, each
-   read once for every Q8V_ROWS rows of x. */
+   read once for every Q8V_ROWS rows of x (all 9 of 9). */
 static void q8t_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, const float *bias, float *out,
                          int num_threads) {
     const int64_t strips = (w->n + 15) / 16, groups = w->k / 32;
@@ -279,9 +284,9 @@ static void q8t_multiply(const weights_t *w, const q8_x_t *xs, int64_t m_total, 
         const __mmask16 valid = (__mmask16)((1u << width) - 1);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
         for (int64_t m = 0; m < m_total;) {
-            int count = Q8V_ROWS;
+            int count = m_total - m == Q8T_MAX_ROWS ? Q8T_MAX_ROWS : Q8V_ROWS;
             while (count > m_total - m) count /= 2;
-            __m512 y[Q8V_ROWS];
+            __m512 y[Q8T_MAX_ROWS];
             q8t_rows_any(w->kind, count, w->data + strip * w->row_bytes, groups, xs + m, y);
             for (int r = 0; r < count; r++, m++)
                 _mm512_mask_storeu_ps(out + m * w->n + n0, valid, _mm512_add_ps(y[r], b));
