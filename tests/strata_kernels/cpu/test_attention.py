@@ -4,9 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.errors import ConfigError
 from strata.kernels.cpu import attention as cpu_attention
-from strata.kernels.cpu import build
 from strata.layers.attention import Attention, AttentionMetadata, PrefillChunk
 
 pytestmark = pytest.mark.skipif(cpu_attention.decode_library() is None, reason="no C compiler to build the kernel")
@@ -63,19 +61,9 @@ def test_kernel_equals_attention_over_the_listed_keys(num_heads, num_kv_heads, b
 
 
 @pytest.fixture
-def avx2_build(monkeypatch):
-    """The kernel built for x86-64-v3 (AVX2 and FMA, no AVX-512) inside the test: its 8-token loops."""
-    monkeypatch.setenv("STRATA_KERNEL_MARCH", "x86-64-v3")
-    try:
-        build.compiler_flags()
-    except ConfigError:
-        pytest.skip("this CPU cannot run an x86-64-v3 build")
-    build.load.cache_clear()
-    cpu_attention.decode_library.cache_clear()
-    yield
-    monkeypatch.delenv("STRATA_KERNEL_MARCH")
-    build.load.cache_clear()
-    cpu_attention.decode_library.cache_clear()
+def avx2_build(x86_64_v3):
+    """The kernels built for x86-64-v3 inside the test: their 8-token loops."""
+    x86_64_v3(cpu_attention.decode_library, cpu_attention.prefill_library)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -328,15 +316,11 @@ def test_causal_prefill_kernel_equals_attention_over_the_keys_each_query_sees(qu
 
 
 def test_avx2_build_of_the_prefill_kernel_equals_the_reference(avx2_build):
-    cpu_attention.prefill_library.cache_clear()
-    try:
-        head_dim = head_multiple() * 2
-        g = torch.Generator().manual_seed(1)
-        q, keys, values = (torch.randn(130, 4, head_dim, generator=g) for _ in range(3))
-        out = cpu_attention.causal_prefill_attention(q, keys[:, :2], values[:, :2], 0.2)
-        torch.testing.assert_close(out, causal_reference(q, keys[:, :2], values[:, :2], 0, 0.2), atol=1e-5, rtol=1e-5)
-    finally:
-        cpu_attention.prefill_library.cache_clear()
+    head_dim = head_multiple() * 2
+    g = torch.Generator().manual_seed(1)
+    q, keys, values = (torch.randn(130, 4, head_dim, generator=g) for _ in range(3))
+    out = cpu_attention.causal_prefill_attention(q, keys[:, :2], values[:, :2], 0.2)
+    torch.testing.assert_close(out, causal_reference(q, keys[:, :2], values[:, :2], 0, 0.2), atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_kernel_declines_what_it_does_not_read():

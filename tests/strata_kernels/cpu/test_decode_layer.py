@@ -3,8 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.errors import ConfigError
-from strata.kernels.cpu import build, decode_layer
+from strata.kernels.cpu import decode_layer
 
 
 def reference_argmax(row: np.ndarray) -> int:
@@ -39,22 +38,12 @@ def first_argmax(rows: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(params=["native", "x86-64-v3"])
-def decode_build(request, monkeypatch):
+def decode_build(request, x86_64_v3):
     """The library as this machine builds it, then built for x86-64-v3 (AVX2, no AVX-512)."""
-    if request.param != "native":
-        monkeypatch.setenv("STRATA_KERNEL_MARCH", request.param)
-        try:
-            build.compiler_flags()
-        except ConfigError:
-            pytest.skip("this CPU cannot run an x86-64-v3 build")
-    build.load.cache_clear()
-    decode_layer.library.cache_clear()
+    if request.param == "x86-64-v3":
+        x86_64_v3(decode_layer.library)
     if decode_layer.library() is None:
         pytest.skip("no C compiler here")
-    yield
-    monkeypatch.delenv("STRATA_KERNEL_MARCH", raising=False)
-    build.load.cache_clear()
-    decode_layer.library.cache_clear()
 
 
 @pytest.mark.parametrize("n", [1, 5, 16, 63, 64, 65, 100, 1000, 49152])
